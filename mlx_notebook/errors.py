@@ -23,7 +23,3 @@ class ModelNotFoundError(MLXNotebookError, LookupError):
 
 class ModelFormatError(MLXNotebookError, ValueError):
     """A model file exists but cannot be read (corrupt, truncated, unsupported)."""
-
-
-class GenerationCancelled(MLXNotebookError):
-    """Raised by ``Generation.result()`` when the generation was stopped."""

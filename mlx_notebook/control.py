@@ -1,0 +1,160 @@
+"""The cancel token: stop, pause and resume requests between pieces of work.
+
+The engine never interrupts a piece of device work; it calls
+:meth:`CancelToken.checkpoint` between two pieces instead. A stop request makes
+the next checkpoint raise :class:`Cancelled`; a pause request makes it block
+until resumed or stopped. Every request and the moment it took effect are
+recorded, so stop latency is measured rather than guessed.
+
+Example::
+
+    token = CancelToken()
+    threading.Timer(1.0, token.cancel).start()
+    try:
+        for piece in work:
+            run(piece)
+            token.checkpoint(on_pause=synchronize)
+    except Cancelled:
+        synchronize()
+        token.mark_stopped()
+
+This module knows about threading only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+
+class Cancelled(Exception):
+    """Raised by :meth:`CancelToken.checkpoint` once a stop was requested."""
+
+
+@dataclass
+class ControlEvent:
+    """One request and when it took effect (``time.perf_counter()`` seconds).
+
+    Args:
+        kind: ``"cancel"``, ``"pause"`` or ``"resume"``.
+        requested_at: When the request was made.
+        effective_at: When the worker acted on it (``None`` until then).
+    """
+
+    kind: str
+    requested_at: float
+    effective_at: Optional[float] = None
+
+    @property
+    def latency_s(self) -> Optional[float]:
+        """Seconds from the request to its effect, or ``None`` if pending."""
+        if self.effective_at is None:
+            return None
+        return self.effective_at - self.requested_at
+
+
+class CancelToken:
+    """Thread-safe stop / pause / resume requests checked at checkpoints."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._cancelled = False
+        self._paused = False
+        self.events: List[ControlEvent] = []
+
+    # -- requests (any thread) ---------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask the work to stop at its next checkpoint (also ends a pause)."""
+        with self._cond:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            self.events.append(ControlEvent("cancel", time.perf_counter()))
+            self._cond.notify_all()
+
+    def pause(self) -> None:
+        """Ask the work to block at its next checkpoint until resumed."""
+        with self._cond:
+            if self._cancelled or self._paused:
+                return
+            self._paused = True
+            self.events.append(ControlEvent("pause", time.perf_counter()))
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Undo a pause; the work continues from where it blocked."""
+        with self._cond:
+            if not self._paused:
+                return
+            self._paused = False
+            self.events.append(ControlEvent("resume", time.perf_counter()))
+            self._cond.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether a stop was requested."""
+        return self._cancelled
+
+    @property
+    def pause_requested(self) -> bool:
+        """Whether a pause is requested and not yet undone."""
+        return self._paused
+
+    # -- the worker's side ---------------------------------------------------
+
+    def checkpoint(
+        self,
+        *,
+        on_pause: Optional[Callable[[], None]] = None,
+        on_resume: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Raise if a stop was requested; block while a pause is requested.
+
+        Args:
+            on_pause: Called once before blocking, outside the lock, so the
+              caller can drain its device work (a pause takes effect only
+              after it returns). Default: ``None``.
+            on_resume: Called once after a pause ends by resumption.
+              Default: ``None``.
+
+        Raises:
+            Cancelled: A stop was requested, before or during a pause.
+        """
+        # Fast path without the lock: a checkpoint runs once per token.
+        if not self._cancelled and not self._paused:
+            return
+        if self._cancelled:
+            raise Cancelled()
+        if on_pause is not None:
+            on_pause()
+        with self._cond:
+            self._mark("pause")
+            while self._paused and not self._cancelled:
+                self._cond.wait()
+            if self._cancelled:
+                raise Cancelled()
+            self._mark("resume")
+        if on_resume is not None:
+            on_resume()
+
+    def mark_stopped(self) -> Optional[float]:
+        """Record that a stop took effect; return its latency in seconds."""
+        with self._cond:
+            event = self._mark("cancel")
+        return event.latency_s if event is not None else None
+
+    def _mark(self, kind: str) -> Optional[ControlEvent]:
+        now = time.perf_counter()
+        for event in reversed(self.events):
+            if event.kind == kind:
+                if event.effective_at is None:
+                    event.effective_at = now
+                return event
+        return None
+
+    def latencies(self, kind: str) -> List[float]:
+        """Latencies (seconds) of the requests of one kind that took effect."""
+        return [e.latency_s for e in self.events if e.kind == kind and e.latency_s is not None]

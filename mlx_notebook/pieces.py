@@ -1,0 +1,174 @@
+"""Pieces of prefill work: a whole chunk, or a group of layers of a chunk.
+
+Shrinking prompt chunks bounds the stop latency but costs matmul efficiency.
+Every mlx-lm model of the common layout (embedding, a ``layers`` list, final
+norm, head) calls its layers one after the other, so instead of rewriting
+each architecture's forward pass we swap that list, for the duration of one
+chunk, for thin wrappers that evaluate the hidden state every ``group``
+layers and call the cancel checkpoint there. One group stays in flight while
+the next is queued, so the device never idles between pieces.
+
+A pause blocks inside the forward pass (the KV cache stays consistent and
+resume simply continues); a stop raises out of it, and that generation's
+cache is discarded by the caller (the model itself is untouched).
+
+Models whose forward pass does not go through such a list fall back to
+whole-chunk pieces; ``runner.pieces`` says which one is in use.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .control import CancelToken
+
+
+class ChunkRunner:
+    """One piece per chunk: run the model on it and evaluate the cache."""
+
+    pieces = "chunks"
+    chunk_budget_factor = 1.0
+
+    def __init__(self, model: nn.Module, cache: list) -> None:
+        self.model = model
+        self.cache = cache
+
+    def run(self, inputs: mx.array) -> None:
+        self.model(inputs, cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+
+
+class _CheckpointedLayer:
+    """Calls the real layer, then the runner's hook with the layer's output."""
+
+    def __init__(self, layer: nn.Module, index: int, hook: Callable[[int, mx.array], None]) -> None:
+        self._layer = layer
+        self._index = index
+        self._hook = hook
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._hook(self._index, out)
+        return out
+
+    def __getattr__(self, name: str):
+        # Forward attributes models read off their layers (use_sliding, ...).
+        return getattr(self._layer, name)
+
+
+class LayerRunner:
+    """Pieces of ``group`` layers of one chunk, with a checkpoint between groups.
+
+    Args:
+        owner: The module whose ``layers`` list the forward pass iterates.
+        model: The full model.
+        cache: The KV cache (one entry per layer).
+        token: Checked between groups.
+        on_pause, on_resume: Passed to ``token.checkpoint``.
+        budget_s: Target seconds for one piece.
+    """
+
+    pieces = "layers"
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        model: nn.Module,
+        cache: list,
+        token: CancelToken,
+        on_pause: Optional[Callable[[], None]],
+        on_resume: Optional[Callable[[], None]],
+        budget_s: float,
+    ) -> None:
+        self.owner = owner
+        self.model = model
+        self.cache = cache
+        self.token = token
+        self.on_pause = on_pause
+        self.on_resume = on_resume
+        self.budget_s = budget_s
+        self.n_layers = len(owner.layers)
+        # Chunks may be as long as one *layer* of them fits the budget.
+        self.chunk_budget_factor = float(self.n_layers)
+        self.group = 1
+        self._seconds_per_layer_token: Optional[float] = None
+        self._in_flight: Optional[mx.array] = None
+        self._calls = 0
+
+    def _plan(self, n_tokens: int) -> None:
+        per = self._seconds_per_layer_token
+        if per is None:
+            self.group = 1
+            return
+        # Two groups can stand between a stop and the parked worker (the one
+        # being waited on and the one just queued): each gets half the budget.
+        fit = int(self.budget_s * 0.5 / max(per * n_tokens, 1e-9))
+        self.group = max(1, min(fit, self.n_layers))
+
+    def _hook(self, index: int, hidden: mx.array) -> None:
+        self._calls += 1
+        if (index + 1) % self.group != 0 or index + 1 == self.n_layers:
+            return
+        mx.async_eval(hidden)
+        if self._in_flight is not None:
+            mx.eval(self._in_flight)
+        self._in_flight = hidden
+        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+
+    def run(self, inputs: mx.array) -> None:
+        n_tokens = inputs.shape[-1]
+        self._plan(n_tokens)
+        original: List[nn.Module] = self.owner.layers
+        wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
+        self._calls = 0
+        self._in_flight = None
+        t0 = time.perf_counter()
+        self.owner.layers = wrapped
+        try:
+            self.model(inputs, cache=self.cache)
+        finally:
+            # Restore even when a stop raises out of the forward pass.
+            self.owner.layers = original
+            self._in_flight = None
+        mx.eval([c.state for c in self.cache])
+        elapsed = time.perf_counter() - t0
+        if self._calls == 0:
+            # The forward pass did not iterate the list: nothing to cut.
+            self.pieces = "chunks"
+            self.chunk_budget_factor = 1.0
+        self._seconds_per_layer_token = elapsed / (n_tokens * self.n_layers)
+
+
+def _layer_owner(model: nn.Module, n_cache: int) -> Optional[nn.Module]:
+    for path in ("model", "language_model.model", "backbone", "transformer"):
+        owner = model
+        for part in path.split("."):
+            owner = getattr(owner, part, None) if owner is not None else None
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if isinstance(layers, list) and len(layers) == n_cache and layers:
+            if all(isinstance(layer, nn.Module) for layer in layers):
+                return owner
+    return None
+
+
+def prefill_runner(
+    loaded,
+    cache: list,
+    token: CancelToken,
+    on_pause: Optional[Callable[[], None]],
+    on_resume: Optional[Callable[[], None]],
+    budget_s: float,
+):
+    """The best runner for this model: layer groups when the layout allows."""
+    if loaded.extras.get("prefill_pieces", "layers") == "layers":
+        owner = _layer_owner(loaded.model, len(cache))
+        if owner is not None:
+            return LayerRunner(owner, loaded.model, cache, token, on_pause, on_resume, budget_s)
+    return ChunkRunner(loaded.model, cache)
+
+
+__all__ = ["ChunkRunner", "LayerRunner", "prefill_runner"]
