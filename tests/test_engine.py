@@ -1,0 +1,306 @@
+"""The engine, worker and Generation API on a small random-weight model.
+
+Fast tests of the invariants: exact greedy output (against plain mlx-lm),
+exact pause/resume, bounded stop in every phase, nothing lost after a stop or
+an MLX error, queue order, and clear errors for bad input.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+import mlx_notebook
+from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
+
+PROMPT = "Once upon a time the quick brown fox"
+
+
+def run(worker, model, prompt=PROMPT, **kw):
+    kw.setdefault("max_tokens", 40)
+    return mlx_notebook.generate(prompt, model=model, worker=worker, **kw)
+
+
+def reference(worker, model, **kw):
+    gen = run(worker, model, **kw)
+    gen.result(timeout=120)
+    assert gen.state == "done"
+    return gen.tokens
+
+
+def test_greedy_matches_plain_mlx_lm(worker, tiny_model):
+    from mlx_lm import stream_generate
+
+    gen = run(worker, tiny_model, max_tokens=30)
+    gen.result(timeout=120)
+    model, tokenizer = mlx_notebook.load_model(tiny_model, worker=worker)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    # Plain mlx-lm must run on the worker thread too: streams belong to threads.
+    expected = worker.call(
+        lambda store: [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=30)]
+    )
+    eos = set(tokenizer.eos_token_ids)
+    expected = [t for t in expected if t not in eos]
+    assert gen.tokens == expected
+    assert gen.stats.generated_tokens == len(expected)
+    assert gen.stats.prompt_tokens == len(ids)
+    assert gen.text == tokenizer.decode(expected)
+
+
+def test_stats_are_filled(worker, tiny_model):
+    gen = run(worker, tiny_model, max_tokens=12)
+    gen.result(timeout=60)
+    s = gen.stats
+    assert s.generated_tokens == 12 and s.finish_reason == "length"
+    assert s.ttft_s > 0 and s.prompt_tps > 0 and s.generation_tps > 0
+    assert s.peak_memory_gb > 0 and s.stop_latency_s is None
+    assert s.prefill_pieces == "layers"
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}])
+def test_pause_resume_gives_uninterrupted_tokens(worker, tiny_model, sampling):
+    expected = reference(worker, tiny_model, max_tokens=60, **sampling)
+    gen = run(worker, tiny_model, max_tokens=60, **sampling)
+    rng = random.Random(1)
+    pauses = 0
+    while not gen.finished and pauses < 5:
+        time.sleep(rng.uniform(0.0, 0.02))
+        gen.pause()
+        deadline = time.monotonic() + 10
+        while gen.state not in ("paused",) + ("done", "stopped", "failed"):
+            assert time.monotonic() < deadline, f"pause did not take effect: {gen.state}"
+            time.sleep(0.001)
+        if gen.state == "paused":
+            pauses += 1
+            n = len(gen.tokens)
+            time.sleep(0.05)
+            assert len(gen.tokens) == n, "tokens arrived while paused"
+        gen.resume()
+    gen.result(timeout=60)
+    assert pauses >= 1
+    assert gen.tokens == expected
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(worker, tiny_model):
+    a = reference(worker, tiny_model, temperature=1.0, seed=3, max_tokens=30)
+    b = reference(worker, tiny_model, temperature=1.0, seed=3, max_tokens=30)
+    c = reference(worker, tiny_model, temperature=1.0, seed=4, max_tokens=30)
+    assert a == b
+    assert a != c
+
+
+def test_stop_during_decode_keeps_partial_text_and_model(worker, tiny_model):
+    expected = reference(worker, tiny_model, max_tokens=40)
+    gen = run(worker, tiny_model, max_tokens=100000)
+    while len(gen.tokens) < 5:
+        assert not gen.finished
+        time.sleep(0.001)
+    gen.cancel()
+    assert gen.wait(10)
+    assert gen.state == "stopped"
+    assert gen.stats.finish_reason == "stopped"
+    assert 0 <= gen.stats.stop_latency_s < 5
+    assert gen.tokens[:5] == expected[:5]
+    partial = gen.text
+    assert partial and gen.result() == partial
+    assert reference(worker, tiny_model, max_tokens=40) == expected
+
+
+def test_stop_during_load_keeps_nothing_half_loaded(worker, tiny_model, tmp_path):
+    from tiny_model import make_tiny_model
+
+    folder = str(make_tiny_model(tmp_path / "m", layers=8, hidden=256, intermediate=512))
+    cancelled_at = []
+
+    def on_event(event):
+        # Stop as soon as the first parameter batch is in.
+        if event.kind == "progress" and event.phase == "load" and 0 < event.done < event.total:
+            if not cancelled_at:
+                cancelled_at.append(event.done)
+                event.generation.cancel()
+
+    # A running job keeps the next one queued while its listener is attached.
+    blocker = run(worker, tiny_model, max_tokens=100000)
+    gen = run(worker, folder, stop_budget=0.0005)
+    gen.add_listener(on_event)
+    blocker.cancel()
+    assert gen.wait(30)
+    assert cancelled_at, "no load progress was reported"
+    assert gen.state == "stopped" and gen.stats.stop_latency_s < 5
+    assert all(m.source.path.name != "m" for m in worker.store.loaded())
+    # The model loads and generates afterwards.
+    assert len(reference(worker, folder, max_tokens=5)) == 5
+
+
+def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 300)
+    gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=5, stop_budget=0.01)
+    while gen.state != "prefilling":
+        assert not gen.finished
+        time.sleep(0.0005)
+    time.sleep(0.02)
+    gen.cancel()
+    assert gen.wait(10)
+    assert gen.state == "stopped"
+    assert gen.stats.generated_tokens == 0
+    assert gen.stats.prefill_chunks >= 1
+
+
+def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
+    long_prompt = " ".join(["rivers flow to the sea"] * 150)
+    expected = reference(worker, tiny_model, prompt=long_prompt, max_tokens=20)
+    gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=20, stop_budget=0.005)
+    while gen.state != "prefilling":
+        time.sleep(0.0005)
+    gen.pause()
+    deadline = time.monotonic() + 10
+    while gen.state != "paused":
+        assert time.monotonic() < deadline and not gen.finished
+        time.sleep(0.001)
+    assert gen.tokens == []
+    gen.resume()
+    gen.result(timeout=60)
+    assert gen.tokens == expected
+
+
+def test_queue_runs_in_order_and_cancelled_queued_job_never_runs(worker, tiny_model):
+    order = []
+    lock = threading.Lock()
+
+    def track(event):
+        if event.kind == "state" and event.state == "loading":
+            with lock:
+                order.append(event.generation.id)
+
+    gens = []
+    for _ in range(4):
+        g = run(worker, tiny_model, max_tokens=8)
+        g.add_listener(track)
+        gens.append(g)
+    gens[2].cancel()
+    for g in gens:
+        assert g.wait(60)
+    assert gens[2].state == "stopped" and gens[2].tokens == []
+    ran = [g.id for g in gens if g is not gens[2]]
+    # The first may have started before its listener was attached.
+    assert [i for i in order if i in ran] == [i for i in ran if i in order]
+    assert set(ran[1:]) <= set(order) and gens[2].id not in order
+
+
+def test_mlx_error_fails_only_that_generation(worker, tiny_model):
+    expected = reference(worker, tiny_model, max_tokens=10)
+    model, _ = mlx_notebook.load_model(tiny_model, worker=worker)
+    layers = model.model.layers
+    original = layers[1]
+
+    class Broken:
+        """Fault injection: the layer fails like an impossible allocation."""
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("[metal::malloc] Attempting to allocate 1e15 bytes")
+
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+    layers[1] = Broken()
+    try:
+        gen = run(worker, tiny_model, max_tokens=10)
+        with pytest.raises(RuntimeError, match="allocate"):
+            gen.result(timeout=60)
+        assert gen.state == "failed" and isinstance(gen.error, RuntimeError)
+    finally:
+        layers[1] = original
+    assert worker.alive
+    assert reference(worker, tiny_model, max_tokens=10) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"prompt": ""}, InvalidArgumentError, "prompt is empty"),
+        ({"prompt": "   \n\t"}, InvalidArgumentError, "prompt is empty"),
+        ({"prompt": None}, InvalidArgumentError, "prompt must be a string"),
+        ({"max_tokens": 0}, InvalidArgumentError, "max_tokens must be >= 1"),
+        ({"max_tokens": -5}, InvalidArgumentError, "max_tokens must be >= 1"),
+        ({"max_tokens": 2.5}, InvalidArgumentError, "max_tokens must be an integer"),
+        ({"stop_budget": 0}, InvalidArgumentError, "stop_budget must be > 0"),
+        ({"stop_budget": -1.0}, InvalidArgumentError, "stop_budget must be > 0"),
+        ({"stop_budget": float("nan")}, InvalidArgumentError, "stop_budget must be a number"),
+        ({"temperature": -0.1}, InvalidArgumentError, "temperature must be >= 0"),
+        ({"top_p": 0}, InvalidArgumentError, "top_p must be > 0"),
+        ({"top_p": 1.5}, InvalidArgumentError, "top_p must be > 0.0 and <= 1.0"),
+        ({"seed": -1}, InvalidArgumentError, "seed must be >= 0"),
+        ({"model": "no-such-model"}, ModelNotFoundError, "not found"),
+        ({"model": "/nonexistent/model.gguf"}, ModelNotFoundError, "no such file"),
+        ({"model": "someorg/not-cached-model"}, ModelNotFoundError, "not in the local Hugging Face cache"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_worker_survives(worker, tiny_model, kwargs, error, words):
+    kw = {"prompt": PROMPT, "model": tiny_model, **kwargs}
+    prompt = kw.pop("prompt")
+    with pytest.raises(error) as info:
+        mlx_notebook.generate(prompt, worker=worker, **kw)
+    message = str(info.value)
+    assert words in message and "\n" not in message
+    assert len(reference(worker, tiny_model, max_tokens=3)) == 3
+
+
+def test_non_model_files_are_rejected_clearly(worker, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ModelFormatError, match="not a model file"):
+        mlx_notebook.generate("hi", model=str(text), worker=worker)
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        mlx_notebook.generate("hi", model=str(empty_dir), worker=worker)
+
+
+def test_prompt_longer_than_context_fails_cleanly(worker, tiny_model):
+    gen = run(worker, tiny_model, prompt="fox " * 5000, max_tokens=2)
+    with pytest.raises(InvalidArgumentError, match="context is 4096"):
+        gen.result(timeout=60)
+    assert gen.state == "failed"
+    assert len(reference(worker, tiny_model, max_tokens=3)) == 3
+
+
+def test_listener_errors_do_not_break_generation(worker, tiny_model):
+    gen = run(worker, tiny_model, max_tokens=10)
+
+    def broken(event):
+        raise ValueError("display bug")
+
+    gen.add_listener(broken)
+    gen.result(timeout=60)
+    assert gen.state == "done"
+
+
+def test_worker_shutdown_cancels_and_joins(tiny_model):
+    w = mlx_notebook.Worker()
+    gen = mlx_notebook.generate(PROMPT, model=tiny_model, worker=w, max_tokens=100000)
+    while len(gen.tokens) < 2:
+        time.sleep(0.001)
+    assert w.shutdown(timeout=30)
+    assert gen.state == "stopped" and not w.alive
+    with pytest.raises(RuntimeError, match="shut down"):
+        mlx_notebook.generate(PROMPT, model=tiny_model, worker=w)
+
+
+def test_memory_returns_to_baseline_after_stops(worker, tiny_model):
+    reference(worker, tiny_model, max_tokens=5)
+    base = worker.call(lambda store: mx.get_active_memory())
+    for _ in range(3):
+        gen = run(worker, tiny_model, max_tokens=100000)
+        while len(gen.tokens) < 3:
+            time.sleep(0.001)
+        gen.cancel()
+        gen.wait(10)
+    after = worker.call(lambda store: mx.get_active_memory())
+    assert after <= base * 1.05 + 1_000_000
