@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, Union
 
 import mlx.core as mx
 
@@ -42,7 +42,8 @@ class GenerationRequest:
     """What to generate. Validated by :meth:`validate` before queueing.
 
     Args:
-        prompt: The user's prompt.
+        prompt: The user's prompt, or a list of token ids used as they are
+          (no chat template): exact prompt lengths for benchmarks.
         model: Model name (see :func:`mlx_notebook.models.resolve`). Default: ``None``.
         max_tokens: Most tokens to generate. Default: ``256``.
         temperature: 0 for greedy. Default: ``0.0``.
@@ -53,7 +54,7 @@ class GenerationRequest:
         stop_budget: Target seconds for one piece of work. Default: ``0.2``.
     """
 
-    prompt: str
+    prompt: Union[str, List[int]]
     model: Optional[str] = None
     max_tokens: int = 256
     temperature: float = 0.0
@@ -65,11 +66,18 @@ class GenerationRequest:
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
-        if not isinstance(self.prompt, str):
+        if isinstance(self.prompt, (list, tuple)):
+            if not self.prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt
+            ):
+                raise InvalidArgumentError(
+                    "a token prompt must be a non-empty list of non-negative integers"
+                )
+        elif not isinstance(self.prompt, str):
             raise InvalidArgumentError(
                 f"prompt must be a string, got {type(self.prompt).__name__}"
             )
-        if not self.prompt.strip():
+        elif not self.prompt.strip():
             raise InvalidArgumentError("prompt is empty: give some text to generate from")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature, minimum=0.0)
@@ -217,7 +225,14 @@ class Engine:
 def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> List[int]:
     """Apply the chat template (or not) and tokenize; check the context length."""
     tokenizer = loaded.tokenizer
-    if request.chat and getattr(tokenizer, "has_chat_template", False):
+    if isinstance(request.prompt, (list, tuple)):
+        ids = list(request.prompt)
+        vocab = loaded.config.get("vocab_size")
+        if isinstance(vocab, int) and max(ids) >= vocab:
+            raise InvalidArgumentError(
+                f"token id {max(ids)} is outside the model's vocabulary of {vocab}"
+            )
+    elif request.chat and getattr(tokenizer, "has_chat_template", False):
         messages = []
         if request.system:
             messages.append({"role": "system", "content": request.system})

@@ -38,7 +38,8 @@ class ModelSource:
 
     Args:
         name: The name as given (``"default"`` for the default model).
-        kind: ``"gguf"`` or ``"mlx"`` (an MLX model folder).
+        kind: ``"gguf"``, ``"mlx"`` (an MLX model folder) or ``"memory"``
+          (registered with :meth:`ModelStore.register`).
         path: The ``.gguf`` file or the folder.
     """
 
@@ -49,6 +50,8 @@ class ModelSource:
     @property
     def key(self) -> str:
         """The cache key: two names for one file share one loaded model."""
+        if self.kind == "memory":
+            return str(self.path)
         return str(self.path.resolve())
 
 
@@ -174,6 +177,29 @@ class ModelStore:
         self._models: Dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
 
+    def resolve(self, name: Optional[str]) -> ModelSource:
+        """Like :func:`resolve`, but also knows models added with :meth:`register`."""
+        if isinstance(name, str):
+            with self._lock:
+                for loaded in self._models.values():
+                    if loaded.source.kind == "memory" and loaded.source.name == name:
+                        return loaded.source
+        return resolve(name)
+
+    def register(self, name: str, model, tokenizer, config: Optional[dict] = None) -> LoadedModel:
+        """Add a model built in memory (benchmarks, tests) under ``name``.
+
+        Call it on the worker thread (``worker.call``) so that the model's
+        arrays are evaluated on the worker's stream.
+        """
+        model.eval()
+        nbytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        source = ModelSource(name, "memory", Path(f"<memory:{name}>"))
+        loaded = LoadedModel(source, model, tokenizer, dict(config or {}), nbytes, 0.0)
+        with self._lock:
+            self._models[source.key] = loaded
+        return loaded
+
     def loaded(self) -> List[LoadedModel]:
         """The models in memory now (safe from any thread)."""
         with self._lock:
@@ -201,7 +227,7 @@ class ModelStore:
             ModelNotFoundError, ModelFormatError: The name or file is bad.
             Cancelled: The token was cancelled; nothing is kept.
         """
-        source = resolve(name)
+        source = self.resolve(name)
         with self._lock:
             found = self._models.get(source.key)
         if found is not None:
@@ -213,7 +239,7 @@ class ModelStore:
 
     def unload(self, name: Optional[str]) -> bool:
         """Forget a loaded model; return whether one was loaded."""
-        key = resolve(name).key
+        key = self.resolve(name).key
         with self._lock:
             removed = self._models.pop(key, None)
         if removed is not None:

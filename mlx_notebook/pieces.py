@@ -92,8 +92,9 @@ class LayerRunner:
         self.on_resume = on_resume
         self.budget_s = budget_s
         self.n_layers = len(owner.layers)
-        # Chunks may be as long as one *layer* of them fits the budget.
-        self.chunk_budget_factor = float(self.n_layers)
+        # Chunks may be as long as two *layers* of them fit the budget: a stop
+        # waits for at most the group being waited on plus the one queued.
+        self.chunk_budget_factor = max(1.0, self.n_layers / 2)
         self.group = 1
         self._seconds_per_layer_token: Optional[float] = None
         self._in_flight: Optional[mx.array] = None

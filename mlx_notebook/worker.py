@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from .control import Cancelled, CancelToken
 from .engine import Engine, GenerationRequest, GenerationStats
-from .models import ModelStore, resolve
+from .models import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class Worker:
             ModelNotFoundError, ModelFormatError: A bad model name or file.
         """
         request.validate()
-        resolve(request.model)
+        self.store.resolve(request.model)
         gen = Generation(request, self)
         with self._cond:
             self._check_open()
@@ -279,7 +279,7 @@ class Worker:
 
     def load_model(self, name: Optional[str] = None) -> Tuple[Any, Any]:
         """Load (or reuse) a model on the worker thread; return ``(model, tokenizer)``."""
-        resolve(name)
+        self.store.resolve(name)
         loaded = self.call(lambda store: store.get(name))
         return loaded.model, loaded.tokenizer
 

@@ -208,3 +208,17 @@ def dequantize(tensor: Tensor) -> np.ndarray:
         return (d * (q - 8)).reshape(shape)
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     return (d * q + m).reshape(shape)
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's 256 byte-level characters, in byte order (byte 0x20 is 'Ġ')."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[byte] for byte in range(256)]

@@ -1,0 +1,276 @@
+"""Stop latency and throughput of mlx-notebook against plain mlx-lm, in one run.
+
+Usage::
+
+    python benchmarks/bench.py --model default --out benchmarks/results/cpu.json
+    python benchmarks/bench.py --synthetic llama3-8b --lengths 512,8192,32768 \
+        --out benchmarks/results/h200.json          # on an NVIDIA machine
+
+What it measures, per prompt length:
+
+* throughput: prefill and decode tokens/s of ``mlx_notebook.generate`` and of
+  plain ``mlx_lm.stream_generate`` (2048-token chunks) on the same model and
+  prompt, alternated, medians of ``--repeats``; the ratio ours / plain;
+* stop latency: ``cancel()`` at a random moment of each phase (load, prefill,
+  decode), measured from the call to ``wait()`` returning, i.e. what the
+  person pressing Stop waits for; p50 / p95 / p99 / max;
+* the decode step time, since a stop in decode waits for one step.
+
+EOS is ignored in both (so every run decodes the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import mlx_notebook  # noqa: E402  (first: binds MLX to OpenBLAS when present)
+import mlx.core as mx  # noqa: E402
+
+SYNTHETIC = {
+    # Llama-3-8B's shape, random bf16 weights (16 GB).
+    "llama3-8b": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, dtype="bfloat16"
+    ),
+    # Small enough for a CPU smoke run of this script.
+    "tiny": dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=512, vocab=4096, dtype="float32"),
+}
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summary(values):
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else None,
+    }
+
+
+def build_synthetic(name: str, folder: Path, context: int) -> str:
+    """Write a random-weight llama folder (tokenizer from the test helper)."""
+    import json as _json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tiny_model import make_tiny_model
+
+    shape = SYNTHETIC[name]
+    make_tiny_model(folder, layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64, vocab=384)
+    config = _json.loads((folder / "config.json").read_text())
+    config.update(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        intermediate_size=shape["intermediate"],
+        vocab_size=shape["vocab"],
+        max_position_embeddings=context + 1024,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    (folder / "config.json").write_text(_json.dumps(config))
+    dtype = getattr(mx, shape["dtype"])
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {}
+    for key, value in tree_flatten(model.parameters()):
+        weights[key] = (mx.random.normal(value.shape) * 0.02).astype(dtype) if value.ndim == 2 else value.astype(dtype)
+        mx.eval(weights[key])
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    del weights, model
+    mx.clear_cache()
+    return str(folder)
+
+
+def prompt_ids(length: int, vocab: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    # Skip the first ids (special tokens in most vocabularies).
+    return [rng.randrange(16, min(vocab, 30000)) for _ in range(length)]
+
+
+def plain_mlx_lm(worker, name, ids, max_tokens):
+    """Plain ``mlx_lm.stream_generate`` on the worker thread (its stream rules)."""
+    from mlx_lm import stream_generate
+
+    def job(store):
+        loaded = store.get(name)
+        last = None
+        for last in stream_generate(loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens):
+            pass
+        return last.prompt_tps, last.generation_tps, last.generation_tokens
+
+    return worker.call(job)
+
+
+def ours(worker, name, ids, max_tokens, budget, pieces):
+    worker.call(lambda store: store.get(name).extras.__setitem__("prefill_pieces", pieces))
+    gen = mlx_notebook.generate(ids, model=name, max_tokens=max_tokens, stop_budget=budget, worker=worker)
+    gen.result()
+    s = gen.stats
+    return s.prompt_tps, s.generation_tps, s.generated_tokens, s.prefill_chunks
+
+
+def measure_throughput(worker, name, ids, args, pieces):
+    rows = {"plain": [], "ours": []}
+    chunks = []
+    for r in range(args.repeats):
+        order = ["plain", "ours"] if r % 2 == 0 else ["ours", "plain"]
+        for who in order:
+            if who == "plain":
+                rows["plain"].append(plain_mlx_lm(worker, name, ids, args.decode_tokens))
+            else:
+                p, g, n, c = ours(worker, name, ids, args.decode_tokens, args.budget, pieces)
+                rows["ours"].append((p, g, n))
+                chunks.append(c)
+    med = {k: (statistics.median(v[0] for v in rows[k]), statistics.median(v[1] for v in rows[k])) for k in rows}
+    return {
+        "plain_prefill_tps": med["plain"][0],
+        "plain_decode_tps": med["plain"][1],
+        "ours_prefill_tps": med["ours"][0],
+        "ours_decode_tps": med["ours"][1],
+        "prefill_ratio": med["ours"][0] / med["plain"][0],
+        "decode_ratio": med["ours"][1] / med["plain"][1],
+        "ours_prefill_chunks": statistics.median(chunks),
+        "decode_step_ms": 1000.0 / med["ours"][1],
+    }
+
+
+def stop_once(worker, name, ids, args, phase, window_s, rng, pieces):
+    if phase == "load":
+        worker.call(lambda store: store.unload(name))
+    else:
+        worker.call(lambda store: store.get(name).extras.__setitem__("prefill_pieces", pieces))
+    gen = mlx_notebook.generate(
+        ids, model=name, max_tokens=100000 if phase == "decode" else 2, stop_budget=args.budget, worker=worker
+    )
+    wanted = {"load": "loading", "prefill": "prefilling", "decode": "decoding"}[phase]
+    while gen.state in ("queued",) or (phase != "load" and gen.state == "loading"):
+        time.sleep(0.0002)
+    if phase == "prefill":
+        while gen.state == "loading":
+            time.sleep(0.0002)
+    if phase == "decode":
+        while gen.state != "decoding" and not gen.finished:
+            time.sleep(0.0005)
+    time.sleep(rng.uniform(0, window_s))
+    state = gen.state
+    t0 = time.perf_counter()
+    gen.cancel()
+    gen.wait()
+    latency = time.perf_counter() - t0
+    hit = state == wanted
+    if phase == "load":
+        worker.call(lambda store: store.get(name))  # reload for the next phase
+    return latency, hit, gen.stats.stop_latency_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="model name (default: the SmolLM2 GGUF)")
+    ap.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="build a random-weight model instead")
+    ap.add_argument("--lengths", default="100,1000,4000", help="prompt lengths in tokens")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=20, help="stop samples per phase and length")
+    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--pieces", default="layers", help="layers, chunks, or both (compare)")
+    ap.add_argument("--max-window", type=float, default=20.0, help="cap of the random stop moment, seconds")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+
+    tmp = tempfile.TemporaryDirectory(prefix="mlxnb-bench-")
+    name = args.model
+    if args.synthetic:
+        t0 = time.perf_counter()
+        name = build_synthetic(args.synthetic, Path(tmp.name) / args.synthetic, max(lengths))
+        print(f"built {args.synthetic} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    worker = mlx_notebook.Worker()
+    t0 = time.perf_counter()
+    worker.load_model(name)
+    load_s = time.perf_counter() - t0
+    vocab = worker.call(lambda store: store.get(name).config.get("vocab_size", 30000))
+
+    def no_eos(store):
+        store.get(name).tokenizer.eos_token_ids = []
+
+    worker.call(no_eos)
+    result = {
+        "device": str(mx.default_device()),
+        "device_info": {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else {},
+        "platform": platform.platform(),
+        "mlx": mx.__version__,
+        "blas": mlx_notebook.active_blas(),
+        "model": args.synthetic or args.model,
+        "budget_s": args.budget,
+        "load_s": load_s,
+        "command": " ".join(sys.argv),
+        "lengths": {},
+    }
+    pieces_list = ["layers", "chunks"] if args.pieces == "both" else [args.pieces]
+    for length in lengths:
+        ids = prompt_ids(length, vocab, seed=length)
+        entry = result["lengths"][str(length)] = {}
+        for pieces in pieces_list:
+            part = entry[pieces] = {}
+            if not args.skip_throughput:
+                part["throughput"] = measure_throughput(worker, name, ids, args, pieces)
+                print(length, pieces, json.dumps(part["throughput"]), flush=True)
+            prefill_s = length / part.get("throughput", {}).get("ours_prefill_tps", 500.0)
+            step_s = part.get("throughput", {}).get("decode_step_ms", 50.0) / 1000
+            windows = {
+                "load": max(load_s * 0.9, 0.01),
+                "prefill": min(prefill_s * 0.95, args.max_window),
+                "decode": min(step_s * 50, args.max_window),
+            }
+            part["stop"] = {}
+            for phase, window in windows.items():
+                if phase == "load" and (length != lengths[0] or pieces != pieces_list[0]):
+                    continue
+                lat, internal, hits = [], [], 0
+                for _ in range(args.rounds):
+                    latency, hit, inner = stop_once(worker, name, ids, args, phase, window, rng, pieces)
+                    if hit:
+                        hits += 1
+                        lat.append(latency)
+                        if inner is not None:
+                            internal.append(inner)
+                part["stop"][phase] = {"external": summary(lat), "internal": summary(internal), "hits": hits}
+                s = part["stop"][phase]["external"]
+                if s["n"]:
+                    print(
+                        f"{length} {pieces} stop {phase}: n={s['n']} p50={s['p50']*1e3:.1f} ms "
+                        f"p95={s['p95']*1e3:.1f} ms p99={s['p99']*1e3:.1f} ms max={s['max']*1e3:.1f} ms",
+                        flush=True,
+                    )
+    worker.shutdown()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
