@@ -18,7 +18,6 @@ from .blas import active_blas, preload_openblas
 
 preload_openblas()
 
-import atexit  # noqa: E402
 import threading  # noqa: E402
 from typing import Any, Optional, Tuple  # noqa: E402
 
@@ -44,7 +43,6 @@ def default_worker() -> Worker:
     with _default_lock:
         if _default_worker is None or _default_worker._closed:
             _default_worker = Worker()
-            atexit.register(_default_worker.shutdown, cancel=True, timeout=30.0)
         return _default_worker
 
 

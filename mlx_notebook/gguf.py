@@ -57,6 +57,7 @@ _DIGESTS = "gguf-digests.json"
 
 _FIX_DOWNLOAD = "re-download it"
 _FIX_FOLDER = "give a .gguf file or an MLX model folder"
+_FIX_OTHER = "use an MLX model folder instead (mlx_lm.convert makes one)"
 
 # GGUF metadata value types.
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL = range(8)
@@ -69,8 +70,6 @@ _NUMPY_DTYPES = {
     _UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "<u4", _INT32: "<i4",
     _FLOAT32: "<f4", _BOOL: "<u1", _UINT64: "<u8", _INT64: "<i8", _FLOAT64: "<f8",
 }
-_INTEGER_TYPES = {_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _UINT64, _INT64}
-_FLOAT_TYPES = {_FLOAT32, _FLOAT64}
 
 # ggml tensor types by id, for error messages (llama.cpp's ggml_type enum).
 _GGML_TYPE_NAMES = {
@@ -104,7 +103,6 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_NORMS = {"output_norm", "attn_norm", "ffn_norm"}
 # mx.load names: quantized weights come back as .weight/.scales/.biases triplets.
 _LOADED_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|scales|biases|bias)")
 
@@ -217,7 +215,7 @@ class _Reader:
         self._buf = b""
         self._buf_start = 0
 
-    def _truncated(self, what: str, end: int) -> ModelFormatError:
+    def truncated(self, what: str, end: int) -> ModelFormatError:
         return ModelFormatError(
             f"{self.label}: truncated GGUF file ({what} needs bytes up to {end}, file ends "
             f"at byte {self.size}); {_FIX_DOWNLOAD}"
@@ -226,14 +224,14 @@ class _Reader:
     def take(self, n: int, what: str) -> bytes:
         end = self.pos + n
         if end > self.size:
-            raise self._truncated(what, end)
+            raise self.truncated(what, end)
         start = self.pos - self._buf_start
         if self.pos < self._buf_start or start + n > len(self._buf):
             self._file.seek(self.pos)
             self._buf = self._file.read(min(max(n, 1 << 20), self.size - self.pos))
             self._buf_start, start = self.pos, 0
             if len(self._buf) < n:  # the file shrank while we read it
-                raise self._truncated(what, end)
+                raise self.truncated(what, end)
         self.pos = end
         return self._buf[start:start + n]
 
@@ -249,7 +247,7 @@ class _Reader:
     def string(self, what: str) -> str:
         length = self.u64(what)
         if length > min(self.size - self.pos, _MAX_INT32):
-            raise self._truncated(f"{what} (a string of {length} bytes)", self.pos + length)
+            raise self.truncated(f"{what} (a string of {length} bytes)", self.pos + length)
         raw = self.take(length, what)
         try:
             return raw.decode("utf-8")
@@ -270,13 +268,13 @@ def _read_value(reader: _Reader, value_type: int, key: str) -> Any:
             # mx.load reads one level of arrays only; llama-family files have no more.
             raise ModelFormatError(
                 f"{reader.label}: metadata '{key}' is an array of arrays, which mlx-notebook "
-                f"cannot read; {_FIX_FOLDER}"
+                f"cannot read; {_FIX_OTHER}"
             )
         if elem_type not in _SCALAR_FORMATS and elem_type != _STRING:
             raise _bad_tag(reader, key, elem_type, "array element type")
         min_size = 8 if elem_type == _STRING else struct.calcsize(_SCALAR_FORMATS[elem_type])
         if length > _MAX_INT32 or length * min_size > reader.size - reader.pos:
-            raise reader._truncated(f"{what} (an array of {length} items)",
+            raise reader.truncated(f"{what} (an array of {length} items)",
                                     reader.pos + length * min_size)
         if elem_type == _STRING:
             return [reader.string(f"{what}[{i}]") for i in range(length)]
@@ -353,7 +351,7 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
             )
         raise ModelFormatError(
             f"{label}: GGUF version {version} is not supported (versions 2 and 3 are); "
-            f"re-convert it with a current llama.cpp or {_FIX_FOLDER}"
+            f"re-convert it with a current llama.cpp, or {_FIX_OTHER}"
         )
     tensor_count = reader.u64("the header")
     kv_count = reader.u64("the header")
@@ -410,7 +408,7 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
     if not isinstance(architecture, str):
         raise ModelFormatError(
             f"{label}: GGUF file without general.architecture, so its model type is unknown; "
-            f"{_FIX_FOLDER}"
+            f"{_FIX_OTHER}"
         )
     return GGUFInfo(path=path, version=version, architecture=architecture, metadata=metadata,
                     tensors=tensors, alignment=alignment, data_offset=data_offset, file_size=size)
@@ -443,7 +441,7 @@ def _check_tensor(
     # mx.load counts the packed uint32 words of a quantized tensor in an int.
     if type_name in _QUANT_BITS and count * _QUANT_BITS[type_name] // 32 > _MAX_INT32:
         raise ModelFormatError(f"{label}: tensor '{name}' is too large for MLX's GGUF reader; "
-                               f"{_FIX_FOLDER}")
+                               f"{_FIX_OTHER}")
     nbytes = count // block_values * block_bytes
     if offset % alignment:
         raise ModelFormatError(f"{label}: tensor '{name}' data offset {offset} is not a multiple "
@@ -467,7 +465,8 @@ def _meta_int(info: GGUFInfo, key: str, label: str, default: int | None = None) 
         missing = key not in info.metadata
         raise ModelFormatError(
             f"{label}: {'missing' if missing else 'invalid'} metadata {key}"
-            f"{'' if missing else f' = {value!r}'} (incomplete llama GGUF file); {_FIX_DOWNLOAD}"
+            f"{'' if missing else f' = {repr(value)[:40]}'} (incomplete llama GGUF file); "
+            f"{_FIX_DOWNLOAD}"
         )
     return value
 
@@ -497,7 +496,7 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
     arch = info.architecture
     if _meta_int(info, f"{arch}.expert_count", label, default=0) > 0:
         raise ModelFormatError(f"{label}: mixture-of-experts GGUF files are not supported; "
-                               f"{_FIX_FOLDER}")
+                               f"{_FIX_OTHER}")
     hidden = _meta_int(info, f"{arch}.embedding_length", label)
     layers = _meta_int(info, f"{arch}.block_count", label)
     heads = _meta_int(info, f"{arch}.attention.head_count", label)
@@ -510,8 +509,9 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
                          default=hidden // heads)
     rope_dims = _meta_int(info, f"{arch}.rope.dimension_count", label, default=head_dim)
     if rope_dims != head_dim:
-        raise ModelFormatError(f"{label}: partial rotary embeddings ({rope_dims} of {head_dim} "
-                               f"dims) are not supported; {_FIX_FOLDER}")
+        raise ModelFormatError(f"{label}: rotary dimension count {rope_dims} differs from the "
+                               f"head size {head_dim}, which mlx-lm's llama cannot run; "
+                               f"{_FIX_OTHER}")
 
     embed = info.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
@@ -546,7 +546,7 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
         }
     elif scaling != "none":
         raise ModelFormatError(f"{label}: rope scaling '{scaling}' is not supported; "
-                               f"{_FIX_FOLDER}")
+                               f"{_FIX_OTHER}")
 
     expected = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not tied:
@@ -568,7 +568,7 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
         if name not in expected:
             raise ModelFormatError(
                 f"{label}: tensor '{name}' has no place in a llama model for mlx-lm "
-                f"(unsupported llama variant); {_FIX_FOLDER}"
+                f"(unsupported llama variant); {_FIX_OTHER}"
             )
         if tensor.shape != expected[name]:
             raise ModelFormatError(
@@ -592,13 +592,13 @@ def _check_tokenizer(info: GGUFInfo, label: str) -> None:
         raise ModelFormatError(
             f"{label}: tokenizer type {model!r} is not supported; mlx-notebook reads GGUF files "
             f"with a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2', e.g. SmolLM2 or "
-            f"Llama 3) or {_FIX_FOLDER}"
+            f"Llama 3); {_FIX_OTHER}"
         )
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in _PRE_TOKENIZERS:
         known = ", ".join(sorted(k for k in _PRE_TOKENIZERS if k))
         raise ModelFormatError(f"{label}: pre-tokenizer {pre!r} is not supported (known: "
-                               f"{known}); {_FIX_FOLDER}")
+                               f"{known}); {_FIX_OTHER}")
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
     if not _is_str_list(tokens) or not tokens or not _is_str_list(merges):
@@ -614,15 +614,19 @@ def _check_tokenizer(info: GGUFInfo, label: str) -> None:
     ):
         raise ModelFormatError(f"{label}: tokenizer.ggml.token_type does not match the "
                                f"vocabulary (corrupt GGUF file); {_FIX_DOWNLOAD}")
-    for key in ("bos", "eos", "unknown", "padding", "eot", "eom"):
-        value = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if value is not None and (not isinstance(value, int) or not 0 <= value < len(tokens)):
-            raise ModelFormatError(f"{label}: tokenizer.ggml.{key}_token_id {value!r} is not a "
-                                   f"token id (corrupt GGUF file); {_FIX_DOWNLOAD}")
 
 
 def _is_str_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _special_id(info: GGUFInfo, key: str) -> int | None:
+    """``tokenizer.ggml.<key>_token_id`` if it names a token (llama.cpp ignores other ids)."""
+    value = info.metadata.get(f"tokenizer.ggml.{key}_token_id")
+    n_tokens = len(info.metadata["tokenizer.ggml.tokens"])
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
+        return None
+    return value
 
 
 # --------------------------------------------------------------- tokenizer
@@ -638,7 +642,8 @@ def _byte_alphabet() -> set[str]:
 
 def _build_tokenizer(info: GGUFInfo) -> Any:
     """A ``tokenizers.Tokenizer`` equivalent to llama.cpp's for this byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
+                            processors)
 
     meta = info.metadata
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -684,17 +689,16 @@ def _build_tokenizer(info: GGUFInfo) -> Any:
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user)
 
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    bos_id, eos_id = _special_id(info, "bos"), _special_id(info, "eos")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     if add_bos or add_eos:
-        bos, eos = (tokens[bos_id] if add_bos else None), (tokens[eos_id] if add_eos else None)
-        single = " ".join(filter(None, [bos and f"{bos}:0", "$A:0", eos and f"{eos}:0"]))
-        pair = " ".join(filter(None, [single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1"]))
+        bos = [tokens[bos_id]] if add_bos else []
+        eos = [tokens[eos_id]] if add_eos else []
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair,
-            special_tokens=[(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t])
+            single=[*bos, "$A", *eos], pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
+            special_tokens=[(tokens[i], i) for i, add in ((bos_id, add_bos), (eos_id, add_eos))
+                            if add])
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
@@ -705,7 +709,7 @@ def _tokenizer_config(info: GGUFInfo) -> dict[str, Any]:
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        index = _special_id(info, key)
         return tokens[index] if index is not None else None
 
     config: dict[str, Any] = {
@@ -728,7 +732,7 @@ def _eos_token_ids(info: GGUFInfo) -> list[int]:
     """Every id llama.cpp ends a turn on that the file names (EOS, end-of-turn, end-of-message)."""
     ids = []
     for key in ("eos", "eot", "eom"):
-        index = info.metadata.get(f"tokenizer.ggml.{key}_token_id")
+        index = _special_id(info, key)
         if index is not None and index not in ids:
             ids.append(index)
     return ids
@@ -837,59 +841,62 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         ModelFormatError: ``path`` is not a GGUF file mlx-notebook can convert.
         InvalidArgumentError: ``out_dir`` holds something else.
     """
-    import mlx.core as mx
-
     info = check_gguf(path)
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and (
             _is_conversion(out_dir) or not any(out_dir.iterdir()))):
         raise InvalidArgumentError(f"{out_dir}: exists and is not an mlx-notebook GGUF "
                                    f"conversion; give a new folder")
+    _convert(info, out_dir, replace=True)
+    return out_dir
+
+
+def _convert(info: GGUFInfo, out_dir: Path, *, replace: bool) -> None:
+    """Write the folder for a checked file; ``replace`` says what to do if ``out_dir`` exists.
+
+    With ``replace`` an existing folder is set aside and deleted. Without it the
+    rename fails on a non-empty ``out_dir`` (rename never merges folders), which
+    is what a cache wants when another process finished first.
+    """
+    import mlx.core as mx
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    label = info.path.name
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        config = _llama_config(info, label)
+        config = _llama_config(info, info.path.name)
         quantization = _quantization(info)
         if quantization is not None:
             config["quantization"] = quantization
-        eos_ids = _eos_token_ids(info)
-        bos_id = info.metadata.get("tokenizer.ggml.bos_token_id")
+        bos_id, eos_ids = _special_id(info, "bos"), _eos_token_ids(info)
         if bos_id is not None:
             config["bos_token_id"] = bos_id
         if eos_ids:
+            # mlx-lm stops on every id listed here, not only on the tokenizer's eos_token.
             config["eos_token_id"] = eos_ids if len(eos_ids) > 1 else eos_ids[0]
 
         weights = _load_tensors(info, tmp)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         del weights
         _write_json(tmp / "config.json", config)
-        generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_ids))
-                      if v not in (None, [])}
-        _write_json(tmp / "generation_config.json", generation)
+        _write_json(tmp / "generation_config.json",
+                    {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config})
         _build_tokenizer(info).save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(info))
-        stat = info.path.stat()
         # Written last: its presence means the folder is complete.
         _write_json(tmp / _MARKER, {"format": CONVERSION_FORMAT, "source": str(info.path),
-                                    "source_size": stat.st_size})
-        _replace_dir(tmp, out_dir)
+                                    "source_size": info.file_size})
+        if replace and out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old",
+                                        dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            try:
+                os.replace(tmp, out_dir)
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``; an old ``target`` is set aside first, then deleted."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    try:
-        os.replace(new, target)
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------- cache
@@ -954,12 +961,12 @@ def cached_conversion(path: str | os.PathLike[str], cache_dir: str | os.PathLike
     folder = cache_dir / f"gguf-{_file_digest(path, cache_dir)[:16]}"
     if _marker_ok(folder):
         return folder
-    if folder.exists() and not _is_conversion(folder):
-        shutil.rmtree(folder, ignore_errors=True)  # not ours to keep: the name is our cache key
+    info = check_gguf(path)
+    # Incomplete, or from an older converter: the name is our cache key, so redo it.
+    shutil.rmtree(folder, ignore_errors=True)
     try:
-        return convert_gguf(path, folder)
+        _convert(info, folder, replace=False)
     except OSError:
-        # Another process may have finished the same conversion first.
-        if _marker_ok(folder):
-            return folder
-        raise
+        if not _marker_ok(folder):  # else another process finished the same file first
+            raise
+    return folder

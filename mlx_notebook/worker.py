@@ -21,11 +21,13 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, List, Optional, Tuple, Union
@@ -43,6 +45,16 @@ FINAL_STATES = ("stopped", "done", "failed")
 STATES = ("queued",) + ACTIVE_STATES + FINAL_STATES
 
 _ids = itertools.count(1)
+# Workers whose thread started: stopped at interpreter exit, before
+# finalization, because a daemon thread killed mid-MLX-work (or one that still
+# holds streams) aborts the process.
+_live_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_workers() -> None:
+    for worker in list(_live_workers):
+        worker.shutdown(cancel=True, timeout=30.0)
 
 
 @dataclass
@@ -291,6 +303,7 @@ class Worker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="mlx-notebook-worker", daemon=True)
             self._thread.start()
+            _live_workers.add(self)
 
     def _discard_queued(self, gen: Generation) -> None:
         with self._cond:
@@ -367,14 +380,23 @@ class Worker:
         # The stream is made here because streams belong to the thread that made them.
         self.stream = mx.new_stream(mx.default_device())
         engine = Engine(self.store, self.stream)
-        while True:
-            job = self._next_job()
-            if job is None:
-                return
-            if isinstance(job, _Call):
-                self._run_call(job)
-            else:
-                self._run_generation(engine, job)
+        try:
+            while True:
+                job = self._next_job()
+                if job is None:
+                    return
+                if isinstance(job, _Call):
+                    self._run_call(job)
+                else:
+                    self._run_generation(engine, job)
+        finally:
+            # Free this thread's streams and compile cache while the GIL is
+            # held: left to the thread's C++ TLS destructors, they touch Python
+            # objects after the interpreter may have begun finalizing, which
+            # aborts the process ("terminate called without an active
+            # exception", mlx 0.32; see ml-explore/mlx#4327, #4373).
+            self._synchronize_quietly()
+            mx.clear_streams()
 
     def _run_call(self, job: _Call) -> None:
         try:

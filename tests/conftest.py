@@ -13,9 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Models come from local files only; a test that reaches for the hub must fail.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import types  # noqa: E402
-if not (Path(__file__).parent.parent / "mlx_notebook" / "gguf.py").exists():  # TEMP until gguf.py lands
-    _st = types.ModuleType("mlx_notebook.gguf"); _st.default_gguf_path = lambda: None; sys.modules["mlx_notebook.gguf"] = _st
 import mlx_notebook  # noqa: E402  (first: it binds MLX to OpenBLAS when present)
 from tiny_model import make_tiny_model  # noqa: E402
 

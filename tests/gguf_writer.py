@@ -117,7 +117,9 @@ def gguf_bytes(
     return bytes(out), layout
 
 
-def write_gguf(path: Path, metadata: dict[str, Any], tensors: list[Tensor], **kwargs: Any) -> Layout:
+def write_gguf(
+    path: Path, metadata: dict[str, Any], tensors: list[Tensor], **kwargs: Any
+) -> Layout:
     """Write :func:`gguf_bytes` to ``path`` and return its layout."""
     data, layout = gguf_bytes(metadata, tensors, **kwargs)
     Path(path).write_bytes(data)
@@ -184,7 +186,8 @@ def q4_1(name: str, array: np.ndarray) -> Tensor:
     d = ((hi - lo) / 15).astype(np.float16)
     m = lo.astype(np.float16)
     inv = np.divide(1.0, d.astype(np.float32), out=np.zeros(len(d), np.float32), where=d != 0)
-    q = np.clip(np.round((x - m.astype(np.float32)[:, None]) * inv[:, None]), 0, 15).astype(np.uint8)
+    q = np.round((x - m.astype(np.float32)[:, None]) * inv[:, None])
+    q = np.clip(q, 0, 15).astype(np.uint8)
     raw = np.concatenate(
         [d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2), _nibbles(q)], axis=1
     )
