@@ -72,6 +72,11 @@ def preload_openblas() -> Optional[str]:
     return None
 
 
+def openblas_active() -> bool:
+    """Whether MLX's CPU matmuls are bound to a system OpenBLAS."""
+    return _loaded is not None
+
+
 def active_blas() -> str:
     """A one-line description of the BLAS that MLX's CPU matmuls use."""
     if _loaded is not None:

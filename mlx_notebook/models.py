@@ -274,6 +274,16 @@ class ModelStore:
         nbytes = evaluate_parameters(
             model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
         )
+        weights = "as stored"
+        if use_cpu_fast_path(model):
+            from mlx_lm.utils import dequantize_model
+
+            dequantize_model(model)
+            model.set_dtype(mx.float32)
+            nbytes = evaluate_parameters(
+                model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
+            )
+            weights = "float32, dequantized for OpenBLAS (MLX_NOTEBOOK_CPU_DEQUANTIZE=0 keeps them quantized)"
         model.eval()
         return LoadedModel(
             source=source,
@@ -282,7 +292,37 @@ class ModelStore:
             config=config,
             nbytes=nbytes,
             load_s=time.perf_counter() - start,
+            extras={"weights": weights},
         )
+
+
+# Dequantized copies above this size stay quantized: the fast path is for small
+# models, where fp32 weights fit easily and prefill is BLAS-bound.
+CPU_DEQUANTIZE_MAX_BYTES = 4 << 30
+
+
+def use_cpu_fast_path(model) -> bool:
+    """Whether to dequantize ``model`` to float32 for MLX's CPU backend.
+
+    Quantized matmuls on MLX's CPU backend do not use BLAS; float32 ones use
+    OpenBLAS when :mod:`mlx_notebook.blas` loaded it. Measured on a 2-core
+    x86 CPU with SmolLM2-135M Q4_1: prefill 13.7 -> 180 tok/s, decode about
+    the same, identical greedy tokens. ``MLX_NOTEBOOK_CPU_DEQUANTIZE`` is
+    ``auto`` (default: CPU device, OpenBLAS active, quantized, fp32 copy
+    <= 4 GiB), ``1`` (always on CPU) or ``0`` (never).
+    """
+    from . import blas
+
+    choice = os.environ.get("MLX_NOTEBOOK_CPU_DEQUANTIZE", "auto").strip().lower()
+    if choice in ("0", "no", "never", "off") or mx.default_device().type != mx.cpu:
+        return False
+    quantized = [m for _, m in model.named_modules() if hasattr(m, "scales") and hasattr(m, "bits")]
+    if not quantized:
+        return False
+    if choice in ("1", "yes", "always", "on"):
+        return True
+    fp32_bytes = sum(m.weight.size * (32 // m.bits) * 4 for m in quantized)
+    return blas.openblas_active() and fp32_bytes <= CPU_DEQUANTIZE_MAX_BYTES
 
 
 def evaluate_parameters(
