@@ -165,9 +165,6 @@ def stop_once(worker, name, ids, args, phase, window_s, rng, pieces):
     wanted = {"load": "loading", "prefill": "prefilling", "decode": "decoding"}[phase]
     while gen.state in ("queued",) or (phase != "load" and gen.state == "loading"):
         time.sleep(0.0002)
-    if phase == "prefill":
-        while gen.state == "loading":
-            time.sleep(0.0002)
     if phase == "decode":
         while gen.state != "decoding" and not gen.finished:
             time.sleep(0.0005)
@@ -195,6 +192,8 @@ def main() -> None:
     ap.add_argument("--pieces", default="layers", help="layers, chunks, or both (compare)")
     ap.add_argument("--max-window", type=float, default=20.0, help="cap of the random stop moment, seconds")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--phases", default="load,prefill,decode")
+    ap.add_argument("--long-rounds", type=int, default=None, help="stop samples per phase for prompts >= 16k")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -246,11 +245,14 @@ def main() -> None:
                 "decode": min(step_s * 50, args.max_window),
             }
             part["stop"] = {}
+            rounds = args.rounds if length < 16384 or args.long_rounds is None else args.long_rounds
             for phase, window in windows.items():
+                if phase not in args.phases.split(","):
+                    continue
                 if phase == "load" and (length != lengths[0] or pieces != pieces_list[0]):
                     continue
                 lat, internal, hits = [], [], 0
-                for _ in range(args.rounds):
+                for _ in range(rounds):
                     latency, hit, inner = stop_once(worker, name, ids, args, phase, window, rng, pieces)
                     if hit:
                         hits += 1
@@ -265,11 +267,18 @@ def main() -> None:
                         f"p95={s['p95']*1e3:.1f} ms p99={s['p99']*1e3:.1f} ms max={s['max']*1e3:.1f} ms",
                         flush=True,
                     )
+                save(result, args.out)
     worker.shutdown()
+    save(result, args.out)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
+
+
+def save(result: dict, out) -> None:
+    """Write what is measured so far (a run cut short keeps its results)."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
