@@ -107,14 +107,16 @@ def prompt_ids(length: int, vocab: int, seed: int = 0) -> list:
     return [rng.randrange(16, min(vocab, 30000)) for _ in range(length)]
 
 
-def plain_mlx_lm(worker, name, ids, max_tokens):
+def plain_mlx_lm(worker, name, ids, max_tokens, prefill_step_size=2048):
     """Plain ``mlx_lm.stream_generate`` on the worker thread (its stream rules)."""
     from mlx_lm import stream_generate
 
     def job(store):
         loaded = store.get(name)
         last = None
-        for last in stream_generate(loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens):
+        for last in stream_generate(
+            loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, prefill_step_size=prefill_step_size
+        ):
             pass
         return last.prompt_tps, last.generation_tps, last.generation_tokens
 

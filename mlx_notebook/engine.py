@@ -266,9 +266,9 @@ def prefill(
 ) -> None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
-    The chunk size follows the measured time per token of the latest chunk so
-    that one chunk takes about ``BUDGET_SHARE * stop_budget``; it starts from
-    the model's last measurement, or small when there is none.
+    A :class:`ChunkPlanner` sizes each chunk from the measured cost of the
+    recent ones so that one piece of work takes about ``BUDGET_SHARE *
+    stop_budget``; it starts from the model's last measurement, or small.
     """
     total = len(prompt)
     to_process = total - 1
@@ -276,34 +276,85 @@ def prefill(
     ids = mx.array(prompt, dtype=mx.uint32)
     runner = prefill_runner(loaded, cache, token, pause.on_pause, pause.on_resume, budget)
     sink.stats.prefill_pieces = runner.pieces
-    per_token = loaded.prefill_s_per_token
-    chunk = _chunk_for(per_token, budget * runner.chunk_budget_factor, FIRST_PREFILL_CHUNK * 8)
-    if per_token is None:
-        chunk = FIRST_PREFILL_CHUNK
+    planner = ChunkPlanner(loaded.extras.get("prefill_cost"))
     done = 0
     sink.progress("prefill", 0, total)
     while done < to_process:
-        n = min(chunk, to_process - done)
+        target = budget * BUDGET_SHARE * runner.chunk_budget_factor
+        n = planner.next_chunk(target, done, to_process - done)
         t0 = time.perf_counter()
         runner.run(ids[None, done : done + n])
-        elapsed = time.perf_counter() - t0
+        planner.observe(n, time.perf_counter() - t0)
         sink.stats.prefill_pieces = runner.pieces
         done += n
         sink.stats.prefill_chunks += 1
-        per_token = elapsed / n
-        chunk = _chunk_for(per_token, budget * runner.chunk_budget_factor, chunk * 4)
         sink.progress("prefill", done, total)
         mx.clear_cache()
         token.checkpoint(on_pause=pause.on_pause, on_resume=pause.on_resume)
-    if per_token is not None:
-        loaded.prefill_s_per_token = per_token
+    if planner.cost is not None:
+        loaded.extras["prefill_cost"] = planner.cost
+        loaded.prefill_s_per_token = planner.cost[1]
 
 
-def _chunk_for(per_token: Optional[float], budget: float, ceiling: int) -> int:
-    if per_token is None or per_token <= 0:
-        return min(ceiling, MAX_PREFILL_CHUNK)
-    fit = int(budget * BUDGET_SHARE / per_token)
-    return max(1, min(fit, ceiling, MAX_PREFILL_CHUNK))
+class ChunkPlanner:
+    """Sizes prefill chunks from an affine cost model, ``t = fixed + n * per_token``.
+
+    A plain per-token rate fails on accelerators: a chunk of 8 tokens costs
+    about as much as one of 200 (reading the weights dominates), so the rate
+    of a small chunk predicts tiny chunks forever. Fitting a fixed cost plus a
+    per-token cost over the recent chunks lets the size grow to what fits.
+
+    Chunk ends are kept on multiples of the KV cache's allocation step: mlx-lm's
+    ``KVCache`` slices and copies itself whenever a chunk ends mid-step, and
+    the cache laid out that way made later decode steps slower (measured on an
+    H200 at 32k tokens).
+
+    Args:
+        cost: A ``(fixed_s, per_token_s)`` from an earlier generation, or ``None``.
+    """
+
+    KV_STEP = 256
+
+    def __init__(self, cost: Optional[tuple] = None) -> None:
+        self.cost = tuple(cost) if cost is not None else None
+        self._samples: List[tuple] = []
+        self._last = 0
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Record that a chunk of ``n`` tokens took ``seconds``."""
+        self._last = n
+        self._samples = (self._samples + [(n, seconds)])[-6:]
+        sizes = {m for m, _ in self._samples}
+        if len(sizes) < 2:
+            self.cost = (0.0, seconds / n)
+            return
+        mean_n = sum(m for m, _ in self._samples) / len(self._samples)
+        mean_t = sum(t for _, t in self._samples) / len(self._samples)
+        var = sum((m - mean_n) ** 2 for m, _ in self._samples)
+        per_token = sum((m - mean_n) * (t - mean_t) for m, t in self._samples) / var
+        if per_token <= 0:
+            self.cost = (0.0, seconds / n)
+            return
+        self.cost = (max(0.0, mean_t - per_token * mean_n), per_token)
+
+    def next_chunk(self, target_s: float, done: int, remaining: int) -> int:
+        """The next chunk size for a piece budget of ``target_s`` seconds."""
+        if self.cost is None:
+            n = FIRST_PREFILL_CHUNK
+        else:
+            fixed, per_token = self.cost
+            n = int((target_s - fixed) / per_token) if target_s > fixed else 1
+            if self._last:
+                # At most 4x growth a chunk: the cost model extrapolates.
+                n = min(n, self._last * 4)
+            if target_s <= fixed:
+                # Not even one token fits: larger chunks cost no more latency
+                # than small ones, so grow for throughput.
+                n = max(n, self._last * 2, FIRST_PREFILL_CHUNK)
+        n = max(1, min(n, MAX_PREFILL_CHUNK, remaining))
+        if n >= self.KV_STEP and n < remaining:
+            n = (done + n) // self.KV_STEP * self.KV_STEP - done
+        return n
 
 
 def make_sampler(request: GenerationRequest):
@@ -381,7 +432,8 @@ def decode(
         stats.generated_tokens = n
         if n > 1:
             stats.generation_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if n % 32 == 1:
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         sink.emit([tok], detokenizer.last_segment)
         if next_y is None:
             break

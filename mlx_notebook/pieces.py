@@ -73,6 +73,9 @@ class LayerRunner:
     """
 
     pieces = "layers"
+    # Groups queued on the device beyond the one being waited on. More keeps
+    # the device busier; each one adds a group to the worst stop latency.
+    max_in_flight = 1
 
     def __init__(
         self,
@@ -97,7 +100,7 @@ class LayerRunner:
         self.chunk_budget_factor = max(1.0, self.n_layers / 2)
         self.group = 1
         self._seconds_per_layer_token: Optional[float] = None
-        self._in_flight: Optional[mx.array] = None
+        self._in_flight: List[mx.array] = []
         self._calls = 0
 
     def _plan(self, n_tokens: int) -> None:
@@ -105,9 +108,9 @@ class LayerRunner:
         if per is None:
             self.group = 1
             return
-        # Two groups can stand between a stop and the parked worker (the one
-        # being waited on and the one just queued): each gets half the budget.
-        fit = int(self.budget_s * 0.5 / max(per * n_tokens, 1e-9))
+        # The group being waited on and those queued behind it all stand
+        # between a stop and the parked worker: they share the budget.
+        fit = int(self.budget_s / (self.max_in_flight + 1) / max(per * n_tokens, 1e-9))
         self.group = max(1, min(fit, self.n_layers))
 
     def _hook(self, index: int, hidden: mx.array) -> None:
@@ -115,9 +118,9 @@ class LayerRunner:
         if (index + 1) % self.group != 0 or index + 1 == self.n_layers:
             return
         mx.async_eval(hidden)
-        if self._in_flight is not None:
-            mx.eval(self._in_flight)
-        self._in_flight = hidden
+        self._in_flight.append(hidden)
+        while len(self._in_flight) > self.max_in_flight:
+            mx.eval(self._in_flight.pop(0))
         self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
 
     def run(self, inputs: mx.array) -> None:
@@ -126,7 +129,7 @@ class LayerRunner:
         original: List[nn.Module] = self.owner.layers
         wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
         self._calls = 0
-        self._in_flight = None
+        self._in_flight = []
         t0 = time.perf_counter()
         self.owner.layers = wrapped
         try:
@@ -134,7 +137,7 @@ class LayerRunner:
         finally:
             # Restore even when a stop raises out of the forward pass.
             self.owner.layers = original
-            self._in_flight = None
+            self._in_flight = []
         mx.eval([c.state for c in self.cache])
         elapsed = time.perf_counter() - t0
         if self._calls == 0:
