@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--pieces", default="layers", help="layers, chunks, or both (compare)")
     ap.add_argument("--max-window", type=float, default=20.0, help="cap of the random stop moment, seconds")
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--phases", default="load,prefill,decode")
+    ap.add_argument("--phases", default="load,prefill,decode", help="comma list; empty for throughput only")
+    ap.add_argument("--decode-max-length", type=int, default=None, help="skip decode stops above this length")
     ap.add_argument("--long-rounds", type=int, default=None, help="stop samples per phase for prompts >= 16k")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -250,6 +251,8 @@ def main() -> None:
             rounds = args.rounds if length < 16384 or args.long_rounds is None else args.long_rounds
             for phase, window in windows.items():
                 if phase not in args.phases.split(","):
+                    continue
+                if phase == "decode" and args.decode_max_length and length > args.decode_max_length:
                     continue
                 if phase == "load" and (length != lengths[0] or pieces != pieces_list[0]):
                     continue
