@@ -33,15 +33,24 @@ from .worker import Generation, GenerationEvent, Worker  # noqa: E402
 
 __version__ = "0.1.0"
 
-_default_worker: Optional[Worker] = None
+# ``%reload_ext`` re-runs this module: keep the worker (and its loaded models).
+_default_worker: Optional[Worker] = globals().get("_default_worker")
 _default_lock = threading.Lock()
 
 
-def default_worker() -> Worker:
-    """The process-wide worker behind :func:`generate` (made on first use)."""
+def default_worker(*, create: bool = True) -> Optional[Worker]:
+    """The process-wide worker behind :func:`generate`.
+
+    Args:
+        create: Make one if there is none (or it was shut down). With
+          ``False``, return ``None`` instead: the kernel hooks use this to
+          find generations without starting a worker. Default: ``True``.
+    """
     global _default_worker
     with _default_lock:
         if _default_worker is None or _default_worker._closed:
+            if not create:
+                return None
             _default_worker = Worker()
         return _default_worker
 

@@ -1,0 +1,71 @@
+"""``%load_ext mlx_notebook`` / ``%unload_ext mlx_notebook``: wire and unwire everything.
+
+Loading registers the :class:`~mlx_notebook.magics.MLXGen` magics (and with
+them the ``MLXGen`` config section), the IPython events the display router
+needs, and the kernel hooks (idle SIGINT, shutdown, exit). Unloading removes
+the magics and restores every hook. The loaded state lives in IPython's own
+magics registry, so loading twice (IPython already refuses a second
+``%load_ext``; a direct second call is caught here) never doubles anything.
+
+Example::
+
+    %load_ext mlx_notebook
+    %unload_ext mlx_notebook
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from .kernel_hooks import KernelHooks
+from .magics import MLXGen
+
+# IPython registers a Magics instance under its class name.
+_REGISTRY_KEY = MLXGen.__name__
+_EVENTS = ("pre_run_cell", "post_run_cell")
+
+
+def loaded_magics(ipython: Any) -> Optional[MLXGen]:
+    """The ``MLXGen`` instance registered in ``ipython``, or ``None``."""
+    magics = ipython.magics_manager.registry.get(_REGISTRY_KEY)
+    return magics if isinstance(magics, MLXGen) else None
+
+
+def load(ipython: Any) -> MLXGen:
+    """Register the magics, events and kernel hooks; return the magics (idempotent)."""
+    existing = loaded_magics(ipython)
+    if existing is not None:
+        return existing
+    magics = MLXGen(shell=ipython)
+    ipython.register_magics(magics)
+    for event in _EVENTS:
+        ipython.events.register(event, getattr(magics.router, event))
+    magics.hooks = KernelHooks(ipython, worker=magics.used_worker)
+    magics.hooks.install()
+    return magics
+
+
+def unload(ipython: Any) -> None:
+    """Remove the magics and restore every hook :func:`load` installed."""
+    magics = loaded_magics(ipython)
+    if magics is None:
+        return
+    hooks = getattr(magics, "hooks", None)
+    if hooks is not None:
+        hooks.uninstall()
+    for event in _EVENTS:
+        try:
+            ipython.events.unregister(event, getattr(magics.router, event))
+        except ValueError:  # already gone
+            pass
+    manager = ipython.magics_manager
+    registered: Dict[str, Dict[str, str]] = magics.magics or {}
+    for kind, names in registered.items():
+        table = manager.magics.get(kind, {})
+        for name in names:
+            # Only our own entries: another extension may have taken a name since.
+            if getattr(table.get(name), "__self__", None) is magics:
+                del table[name]
+    manager.registry.pop(_REGISTRY_KEY, None)
+    if magics in getattr(ipython, "configurables", []):
+        ipython.configurables.remove(magics)

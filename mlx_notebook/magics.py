@@ -1,0 +1,350 @@
+"""``%%mlxgen`` and its line-magic companions; ``MLXGen`` is also the config class.
+
+The magics are thin: they parse, fill ``{name}`` placeholders, and call
+:func:`mlx_notebook.generate` on the shared worker; a view shows the result
+(:mod:`mlx_notebook.widget`) and :mod:`mlx_notebook.kernel_hooks` makes
+interrupts safe. Every mistake a user can make (a bad flag, an unknown
+variable or model, a bad value) ends the cell with one ``UsageError`` line.
+
+Example (in a notebook)::
+
+    %load_ext mlx_notebook
+    %config MLXGen.max_tokens = 64
+
+    %%mlxgen -o gen -t 0.7 --seed 1
+    Write a haiku about {topic}.
+
+    gen.pause(); gen.resume(); gen.cancel()
+    %mlxgen_jobs
+"""
+
+from __future__ import annotations
+
+import keyword
+from typing import Any, List, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
+
+from .engine import GenerationRequest
+from .errors import MLXNotebookError
+from .interpolate import interpolate
+from .kernel_hooks import KernelHooks, wait_for
+from .models import resolve
+from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
+from .worker import Generation, Worker
+
+
+def _fail(message: str) -> UsageError:
+    # One line, no traceback: IPython prints a UsageError as "UsageError: <message>".
+    return UsageError(f"mlxgen: {message}")
+
+
+@magics_class
+class MLXGen(Magics):
+    """Cancellable MLX generation from notebook cells.
+
+    The class name is the config section: ``%config MLXGen.model = "..."``,
+    ``c.MLXGen.max_tokens = 64`` in ``ipython_config.py``, or
+    ``--MLXGen.max_tokens=64`` on the kernel's command line.
+
+    Args:
+        shell: The IPython shell.
+        worker: The worker to queue on. Default: :func:`mlx_notebook.default_worker`,
+          shared with :func:`mlx_notebook.generate`.
+        router: Re-sends final displays for headless clients. Default: a new one.
+    """
+
+    model = Unicode(
+        None, allow_none=True,
+        help="Model for %%mlxgen without -m: 'default' (SmolLM2-135M), a local MLX "
+        "folder, a .gguf file, or a cached hub id. None means the default model.",
+    ).tag(config=True)
+    max_tokens = Integer(256, help="Most tokens a generation makes (-n).").tag(config=True)
+    temperature = Float(0.0, help="Sampling temperature; 0 is greedy (-t).").tag(config=True)
+    system = Unicode(None, allow_none=True, help="System message (-s).").tag(config=True)
+    stop_budget = Float(
+        0.2, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
+    ).tag(config=True)
+    wait = Bool(
+        False, help="Block the cell until the generation ends (--wait); else it runs in the background."
+    ).tag(config=True)
+    throttle = Float(0.1, help="Least seconds between two display updates while tokens stream.").tag(
+        config=True
+    )
+    ui = Enum(
+        UI_CHOICES, "auto",
+        help="'widget' (Stop/Pause buttons), 'text' (plain text display), or 'auto': "
+        "widget in a kernel with ipywidgets, text otherwise.",
+    ).tag(config=True)
+
+    shell: Any  # the InteractiveShell (typed None in Magics)
+
+    def __init__(
+        self,
+        shell: Any = None,
+        *,
+        worker: Optional[Worker] = None,
+        router: Optional[DisplayRouter] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self._given_worker = worker
+        self._worker = worker
+        self.router = router or DisplayRouter()
+        self.hooks: Optional[KernelHooks] = None  # set by mlx_notebook.extension.load
+
+    # -- config checks (shown in one line by %config) --------------------------------
+
+    @validate("max_tokens")
+    def _check_max_tokens(self, proposal: Any) -> int:
+        if proposal["value"] < 1:
+            raise TraitError(f"MLXGen.max_tokens must be >= 1, got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("temperature")
+    def _check_temperature(self, proposal: Any) -> float:
+        if not proposal["value"] >= 0:
+            raise TraitError(f"MLXGen.temperature must be >= 0, got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("stop_budget")
+    def _check_stop_budget(self, proposal: Any) -> float:
+        if not proposal["value"] > 0:
+            raise TraitError(f"MLXGen.stop_budget must be > 0 seconds, got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("throttle")
+    def _check_throttle(self, proposal: Any) -> float:
+        if not proposal["value"] >= 0:
+            raise TraitError(f"MLXGen.throttle must be >= 0 seconds, got {proposal['value']}")
+        return proposal["value"]
+
+    # -- the worker ---------------------------------------------------------------------
+
+    @property
+    def worker(self) -> Worker:
+        """The worker generations queue on (made on first use)."""
+        if self._given_worker is not None:
+            return self._given_worker
+        import mlx_notebook
+
+        # Asked each time: default_worker() replaces a worker that was shut down.
+        self._worker = mlx_notebook.default_worker()
+        return self._worker
+
+    def used_worker(self) -> Optional[Worker]:
+        """The worker generations run on, or ``None`` when none was started yet.
+
+        Includes the shared worker of :func:`mlx_notebook.generate`, so hooks
+        also stop generations started from Python rather than the magic.
+        """
+        if self._given_worker is not None:
+            return self._given_worker
+        import mlx_notebook
+
+        return mlx_notebook.default_worker(create=False) or self._worker
+
+    # -- %%mlxgen ---------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("-m", "--model", default=None, help="model name, folder or .gguf file (config: MLXGen.model)")
+    @argument("-n", "--max-tokens", type=int, default=None, help="most tokens to generate (MLXGen.max_tokens)")
+    @argument("-t", "--temperature", type=float, default=None, help="0 is greedy (MLXGen.temperature)")
+    @argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 disables it (default 1)")
+    @argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
+    @argument("-s", "--system", default=None, help="system message (MLXGen.system)")
+    @argument("--raw", action="store_true", help="no chat template: feed the prompt as is")
+    @argument("-o", "--out", default=None, metavar="NAME", help="bind the Generation handle to NAME")
+    @argument("--wait", dest="wait", action="store_const", const=True, default=None,
+              help="block the cell until done; Interrupt stops it safely (MLXGen.wait)")
+    @argument("--no-wait", dest="wait", action="store_const", const=False,
+              help="run in the background even if MLXGen.wait is set")
+    @argument("--budget", type=float, default=None, metavar="SECONDS",
+              help="longest a stop or pause may wait (MLXGen.stop_budget)")
+    @argument("--plain", action="store_true", help="plain text display instead of the widget")
+    @cell_magic
+    def mlxgen(self, line: str, cell: str) -> None:
+        """Generate from the cell body with a local MLX model, in the background.
+
+        The cell body is the prompt; ``{name}`` and ``{name.attr}`` insert
+        variables, ``{{name}}`` is a literal ``{name}``, other braces stay as
+        written. The cell returns at once and the text streams into a widget
+        with Stop and Pause/Resume buttons; with ``--wait`` the cell blocks and
+        "Interrupt kernel" stops the generation safely.
+        """
+        __tracebackhide__ = True
+        args = _parse(self.mlxgen, line)
+        if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
+            raise _fail(f"--out needs a Python variable name, got {args.out!r}")
+        if not cell.strip():
+            raise _fail("the cell is empty: write the prompt below the %%mlxgen line")
+        try:
+            prompt = interpolate(cell.strip(), self.shell.user_ns)
+            gen = self.worker.submit(
+                GenerationRequest(
+                    prompt=prompt,
+                    model=args.model if args.model is not None else self.model,
+                    max_tokens=args.max_tokens if args.max_tokens is not None else self.max_tokens,
+                    temperature=args.temperature if args.temperature is not None else self.temperature,
+                    top_p=args.top_p,
+                    seed=args.seed,
+                    system=args.system if args.system is not None else self.system,
+                    chat=not args.raw,
+                    stop_budget=args.budget if args.budget is not None else self.stop_budget,
+                )
+            )
+        except MLXNotebookError as exc:
+            raise _fail(error_line(exc)) from None
+        if args.out is not None:
+            self.shell.user_ns[args.out] = gen
+        waiting = self.wait if args.wait is None else args.wait
+        view = make_view(
+            gen,
+            shell=self.shell,
+            ui="text" if args.plain else self.ui,
+            throttle=self.throttle,
+            router=self.router,
+            waiting=waiting,
+        )
+        view.show()
+        if waiting:
+            wait_for(gen)
+            if gen.state == "failed" and gen.error is not None:
+                raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
+
+    # -- %mlxgen_stop -------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("target", nargs="?", default="all", help="a generation id (see %%mlxgen_jobs), or 'all'")
+    @line_magic
+    def mlxgen_stop(self, line: str) -> None:
+        """Stop one generation, or all running and queued ones (the default)."""
+        args = _parse(self.mlxgen_stop, line)
+        worker = self.used_worker()
+        if args.target == "all":
+            stopped = worker.cancel_all() if worker is not None else []
+            if stopped:
+                print("stopping " + ", ".join(f"#{g.id}" for g in stopped))
+            else:
+                print("nothing to stop")
+            return
+        gen = self._find(args.target)
+        if gen.finished:
+            print(f"#{gen.id} is already {gen.state}")
+            return
+        gen.cancel()
+        print(f"stopping #{gen.id}")
+
+    def _find(self, target: str) -> Generation:
+        text = target.lstrip("#")
+        if not text.isdigit():
+            raise _fail(f"give a generation id or 'all', got {target!r}")
+        worker = self.used_worker()
+        for gen in worker.history if worker is not None else []:
+            if gen.id == int(text):
+                return gen
+        raise _fail(f"no generation #{text}: %mlxgen_jobs lists them")
+
+    # -- %mlxgen_jobs ---------------------------------------------------------------------------
+
+    @line_magic
+    def mlxgen_jobs(self, line: str = "") -> None:
+        """List this kernel's generations: id, state, tokens, tok/s, prompt."""
+        if line.strip():
+            raise _fail("%mlxgen_jobs takes no arguments")
+        worker = self.used_worker()
+        gens = list(worker.history) if worker is not None else []
+        if not gens:
+            print("no generations yet")
+            return
+        rows = [["id", "state", "tokens", "tok/s", "prompt"]]
+        for gen in gens:
+            tps = gen.stats.generation_tps
+            prompt = gen.request.prompt
+            head = " ".join(prompt.split()) if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            rows.append([
+                f"#{gen.id}",
+                gen.state,
+                str(gen.stats.generated_tokens),
+                f"{tps:.1f}" if tps else "-",
+                head if len(head) <= 40 else head[:39] + "…",
+            ])
+        print(_table(rows))
+
+    # -- %mlxgen_models -------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("--unload", metavar="NAME", default=None, help="forget a loaded model and free its memory")
+    @line_magic
+    def mlxgen_models(self, line: str) -> None:
+        """List loaded models and their memory; ``--unload NAME`` frees one."""
+        args = _parse(self.mlxgen_models, line)
+        worker = self.used_worker()
+        if args.unload is not None:
+            self._unload(args.unload)
+            return
+        loaded = worker.store.loaded() if worker is not None else []
+        if not loaded:
+            print("no model loaded")
+            return
+        rows = [["model", "parameters", "loaded in", "path"]]
+        for m in loaded:
+            rows.append([m.source.name, f"{m.nbytes / 2**20:.0f} MB", f"{m.load_s:.1f} s", str(m.source.path)])
+        print(_table(rows))
+        try:
+            import mlx.core as mx
+
+            print(f"MLX memory: {mx.get_active_memory() / 2**20:.0f} MB active, "
+                  f"{mx.get_cache_memory() / 2**20:.0f} MB cached")
+        except Exception:  # memory figures are a nicety
+            pass
+
+    def _unload(self, name: str) -> None:
+        try:
+            resolve(name)  # a typo is an error, not "not loaded"
+        except MLXNotebookError as exc:
+            raise _fail(error_line(exc)) from None
+        worker = self.used_worker()
+        busy = worker.active() if worker is not None else []
+        if busy:
+            ids = ", ".join(f"#{g.id}" for g in busy)
+            raise _fail(f"generations {ids} are running or queued; stop them first (%mlxgen_stop)")
+        if worker is None:
+            print(f"{name}: not loaded")
+            return
+        try:
+            # On the worker thread: MLX work (freeing included) belongs to it.
+            removed = worker.call(lambda store: store.unload(name), timeout=30)
+        except MLXNotebookError as exc:
+            raise _fail(error_line(exc)) from None
+        except TimeoutError as exc:
+            raise _fail(str(exc)) from None
+        print(f"{name}: unloaded" if removed else f"{name}: not loaded")
+
+
+def _parse(magic: Any, line: str) -> Any:
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:  # argparse's message, e.g. "unrecognized arguments: --x"
+        raise _fail(str(exc)) from None
+
+
+def _as_cell_magic_help(magic: Any) -> None:
+    # magic_arguments writes usage as "%name"; a cell magic is typed "%%name".
+    name = magic.parser.prog.lstrip("%")
+    magic.parser.prog = f"%%{name}"
+    magic.__doc__ = magic.__doc__.replace(f"%{name} [", f"%%{name} [", 1)
+
+
+_as_cell_magic_help(MLXGen.mlxgen)
+
+
+def _table(rows: List[List[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+

@@ -1,0 +1,473 @@
+"""The display of one generation: a widget with Stop / Pause-Resume, or plain text.
+
+One view per generation. It listens to the :class:`~mlx_notebook.worker.Generation`
+(listeners run on the worker thread) and redraws from the handle's current
+``text`` / ``state`` / ``stats``, never from event deltas, so a missed event
+costs nothing and every redraw is correct. Redraws are throttled (``throttle``
+seconds, default 0.1) except state changes, so display never slows generation.
+
+Three kinds:
+
+* :class:`WidgetView` (a live frontend): streamed text in an ``HTML`` widget,
+  **Stop** and **Pause/Resume** buttons enabled only when they apply, a
+  progress bar for load and prefill then decode, a stats line and an outcome
+  colour (green done, orange stopped, red failed), like ``tqdm.notebook``.
+  Updates change trait values only (one small comm message per widget), never
+  ``Output.append_stdout``, which resends every output each time.
+* :class:`TextView` (no widgets): a ``text/plain`` display updated in place.
+* :class:`TerminalView` (terminal IPython, no kernel): text printed as it comes
+  when the cell waits; nothing in the background (it would garble the prompt).
+
+Where the output goes. A kernel cannot tell whether its frontend renders
+widgets: a comm open gets no answer either way. So a widget view's display
+bundle always carries ``text/plain`` too, and when the generation ends the
+display is updated with the final text. Live frontends keep showing the
+widget; headless clients (nbclient, papermill, nbconvert) store the text.
+Those clients only read messages whose parent is the cell they are running,
+so the final update goes out with the kernel's *current* parent (the display
+id finds the original output), and, if no cell was running at that moment,
+again at the start of the next cell (:class:`DisplayRouter`). While it runs,
+a view's display messages carry the parent of the cell that started it
+(``set_thread_parent``), so a frontend routes them to that cell.
+
+Example::
+
+    view = make_view(gen, shell=get_ipython(), ui="auto")
+    view.show()
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .worker import FINAL_STATES, Generation, GenerationEvent
+
+UI_CHOICES = ("auto", "widget", "text")
+
+RUNNING_STATES = ("loading", "prefilling", "decoding")
+STOPPABLE_STATES = ("queued",) + RUNNING_STATES + ("paused",)
+# tqdm.notebook's convention: green done, orange stopped, red failed.
+OUTCOME_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
+OUTCOME_COLOR = {"done": "#2e7d32", "stopped": "#e65100", "failed": "#c62828"}
+METADATA_KEY = "mlx_notebook"
+
+_PRE_STYLE = (
+    "white-space: pre-wrap; word-break: break-word; margin: 0.25em 0; "
+    "font-family: var(--jp-code-font-family, monospace); "
+    "font-size: var(--jp-code-font-size, 13px); line-height: 1.4"
+)
+
+
+def status_line(gen: Generation) -> str:
+    """One line: id, state, tokens, tok/s, TTFT, peak memory, stop latency, error."""
+    s = gen.stats
+    parts = [f"#{gen.id} {gen.state}", f"{s.generated_tokens} tokens"]
+    if s.generation_tps:
+        parts.append(f"{s.generation_tps:.1f} tok/s")
+    if s.ttft_s is not None:
+        parts.append(f"TTFT {s.ttft_s:.2f} s")
+    if s.peak_memory_gb:
+        parts.append(f"peak {s.peak_memory_gb * 1000:.0f} MB")
+    if s.stop_latency_s is not None:
+        parts.append(f"stopped in {s.stop_latency_s * 1000:.0f} ms")
+    if gen.error is not None:
+        parts.append(f"error: {error_line(gen.error)}")
+    return " · ".join(parts)
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of an error's message (its type when it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def plain_text(gen: Generation) -> str:
+    """The ``text/plain`` form: the text, then the status line in brackets."""
+    text = gen.text
+    sep = "\n\n" if text else ""
+    return f"{text}{sep}[mlxgen {status_line(gen)}]"
+
+
+@contextmanager
+def thread_parent(shell: Any, parent: Optional[Dict[str, Any]]) -> Iterator[None]:
+    """Route this thread's outputs to ``parent`` (a request) for the block.
+
+    ipykernel 7's ``set_thread_parent`` changes the calling thread's parent
+    only. ``set_parent`` would also change the kernel-wide fallback that every
+    other thread (and the idle kernel) uses, so it is not used here; on
+    ipykernels without ``set_thread_parent`` outputs keep the default route.
+    """
+    setter = getattr(shell, "set_thread_parent", None)
+    if parent is None or setter is None:
+        yield
+        return
+    tokens = setter(parent)
+    try:
+        yield
+    finally:
+        shell.reset_thread_parent(tokens)
+
+
+def current_parent(shell: Any) -> Optional[Dict[str, Any]]:
+    """The parent request of the calling thread (the running cell on the main thread)."""
+    getter = getattr(shell, "get_parent", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except Exception:  # not an ipykernel shell
+        return None
+
+
+def _msg_id(parent: Optional[Dict[str, Any]]) -> Optional[str]:
+    return (parent or {}).get("header", {}).get("msg_id")
+
+
+class DisplayRouter:
+    """Re-sends final displays that went out while no cell was running.
+
+    Headless clients read a message only while they run the cell it names as
+    parent. A generation that ends between cells sends its final display with
+    a parent nobody reads any more, so the router sends it again from the
+    next cell's ``pre_run_cell`` (then the parent is that cell).
+    Register :meth:`pre_run_cell` and :meth:`post_run_cell` as IPython events.
+    """
+
+    def __init__(self) -> None:
+        # %load_ext runs in a cell, so a cell is running when this is made.
+        self.cell_running = True
+        self._pending: List["GenerationView"] = []
+        self._lock = threading.Lock()
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        """IPython ``pre_run_cell`` event: re-send pending final displays."""
+        self.cell_running = True
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for view in pending:
+            view.publish_final()
+
+    def post_run_cell(self, result: Any = None) -> None:
+        """IPython ``post_run_cell`` event."""
+        self.cell_running = False
+
+    def final_sent(self, view: "GenerationView") -> None:
+        """Called right *after* a final display was sent from the worker thread."""
+        # Read after sending: True means the send came before this cell's end.
+        if not self.cell_running:
+            with self._lock:
+                self._pending.append(view)
+
+
+class GenerationView:
+    """Shows one generation and keeps the display in step with it.
+
+    Args:
+        gen: The generation.
+        shell: The IPython shell (``None`` outside IPython).
+        throttle: Least seconds between two redraws while tokens stream.
+          Default: ``0.1``.
+        router: Re-sends final displays for headless clients. Default: ``None``.
+    """
+
+    def __init__(
+        self,
+        gen: Generation,
+        *,
+        shell: Any = None,
+        throttle: float = 0.1,
+        router: Optional[DisplayRouter] = None,
+    ) -> None:
+        self.gen = gen
+        self.shell = shell
+        self.throttle = throttle
+        self.router = router
+        self.handle: Any = None
+        self.parent = current_parent(shell)
+        self._lock = threading.RLock()
+        self._last_draw = 0.0
+        self._phase = ""
+        self._phase_done = 0
+        self._phase_total = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def show(self) -> "GenerationView":
+        """Display the view in the current cell and start following the generation."""
+        self._display()
+        self.gen.add_listener(self.on_event)
+        # The worker may have moved on, or even finished, before the listener was
+        # added: draw from the handle now, and end properly if it is over.
+        if self.gen.finished:
+            self._finish()
+        else:
+            self.draw(final=False)
+        return self
+
+    def on_event(self, event: GenerationEvent) -> None:
+        """The listener (worker thread): remember progress, redraw when due."""
+        if event.kind == "progress":
+            self._phase, self._phase_done, self._phase_total = event.phase, event.done, event.total
+        if event.kind == "state" and event.state in FINAL_STATES:
+            self._finish()
+            return
+        now = time.monotonic()
+        if event.kind != "state" and now - self._last_draw < self.throttle:
+            return
+        self._last_draw = now
+        with thread_parent(self.shell, self.parent):
+            self.draw(final=False)
+
+    def _finish(self) -> None:
+        with thread_parent(self.shell, self.parent):
+            self.draw(final=True)
+        self.publish_final()
+        if self.router is not None and threading.current_thread() is not threading.main_thread():
+            self.router.final_sent(self)
+        self.gen.remove_listener(self.on_event)
+
+    # -- for subclasses --------------------------------------------------------------
+
+    def _display(self) -> None:
+        raise NotImplementedError
+
+    def draw(self, *, final: bool) -> None:
+        """Bring the display up to date with the generation."""
+        raise NotImplementedError
+
+    def publish_final(self) -> None:
+        """Send the final display with the calling thread's current parent."""
+
+    # -- shared ----------------------------------------------------------------------
+
+    def _metadata(self) -> Dict[str, Any]:
+        gen = self.gen
+        # chars lets a reader cut the text from text/plain without the status line.
+        return {METADATA_KEY: {"id": gen.id, "state": gen.state, "chars": len(gen.text)}}
+
+    def progress_fraction(self) -> Tuple[str, float]:
+        """``(phase, fraction done)`` for the progress bar."""
+        gen = self.gen
+        state = gen.state
+        if state == "decoding" or gen.stats.generated_tokens:  # also paused or ended mid-decode
+            return "decode", min(1.0, gen.stats.generated_tokens / max(1, gen.request.max_tokens))
+        if self._phase and self._phase_total:
+            return self._phase, min(1.0, self._phase_done / self._phase_total)
+        return ("queued" if state == "queued" else state), 0.0
+
+
+class _Bundle:
+    """A display object with a fixed MIME bundle (for ``display`` / ``update``)."""
+
+    def __init__(self, data: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+        self.data = data
+        self.metadata = metadata
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Tuple[dict, dict]:
+        return self.data, self.metadata
+
+
+class TextView(GenerationView):
+    """A ``text/plain`` display updated in place (no widget frontend)."""
+
+    def _bundle(self) -> _Bundle:
+        return _Bundle({"text/plain": plain_text(self.gen)}, self._metadata())
+
+    def _display(self) -> None:
+        from IPython.display import display
+
+        self.handle = display(self._bundle(), display_id=True)
+
+    def draw(self, *, final: bool) -> None:
+        with self._lock:
+            if self.handle is not None:
+                self.handle.update(self._bundle())
+
+    def publish_final(self) -> None:
+        # The final draw went to the starting cell; a headless client may be
+        # reading another cell by now, so send it with the current parent too.
+        if _msg_id(current_parent(self.shell)) != _msg_id(self.parent):
+            self.draw(final=True)
+
+
+class WidgetView(GenerationView):
+    """Streamed text, Stop and Pause/Resume buttons, progress, stats, outcome colour."""
+
+    def __init__(self, gen: Generation, **kwargs: Any) -> None:
+        super().__init__(gen, **kwargs)
+        import ipywidgets as w
+
+        self.text = w.HTML(value="")
+        self.stop_button = w.Button(
+            description="Stop", icon="stop", tooltip="Stop this generation; the model stays loaded"
+        )
+        self.pause_button = w.Button(
+            description="Pause", icon="pause", tooltip="Pause; Resume continues exactly"
+        )
+        self.progress = w.FloatProgress(
+            value=0.0, min=0.0, max=1.0, description="queued",
+            layout=w.Layout(flex="1 1 auto", min_width="12em"),
+        )
+        self.status = w.HTML(value="")
+        controls = w.HBox(
+            [self.stop_button, self.pause_button, self.progress],
+            layout=w.Layout(align_items="center"),
+        )
+        self.box = w.VBox([controls, self.text, self.status])
+        self.stop_button.on_click(self._on_stop_click)
+        self.pause_button.on_click(self._on_pause_click)
+
+    # -- clicks (main thread, from the frontend's comm messages) -----------------------
+
+    def _on_stop_click(self, button: Any) -> None:
+        self.gen.cancel()
+        self.draw(final=self.gen.finished)
+
+    def _on_pause_click(self, button: Any) -> None:
+        gen = self.gen
+        if gen.state == "paused":
+            gen.resume()
+        elif gen.state in RUNNING_STATES:
+            gen.pause()
+        self.draw(final=gen.finished)
+
+    # -- drawing -------------------------------------------------------------------------
+
+    def _bundle(self) -> _Bundle:
+        data = dict(self.box._repr_mimebundle_())
+        data["text/plain"] = plain_text(self.gen)
+        return _Bundle(data, self._metadata())
+
+    def _display(self) -> None:
+        from IPython.display import display
+
+        self.draw(final=False)
+        self.handle = display(self._bundle(), display_id=True)
+
+    def draw(self, *, final: bool) -> None:
+        gen = self.gen
+        with self._lock:
+            state = gen.state
+            final = final or state in FINAL_STATES
+            phase, fraction = self.progress_fraction()
+            with self.box.hold_sync(), self.text.hold_sync(), self.status.hold_sync(), \
+                    self.progress.hold_sync(), self.stop_button.hold_sync(), \
+                    self.pause_button.hold_sync():
+                self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(gen.text)}</pre>'
+                self._draw_buttons(state, final)
+                self.progress.description = phase
+                self.progress.value = 1.0 if state == "done" else fraction
+                self.progress.bar_style = OUTCOME_STYLE.get(state, "info" if not final else "")
+                color = OUTCOME_COLOR.get(state, "inherit")
+                self.status.value = (
+                    f'<span style="color: {color}; font-size: 0.9em">'
+                    f"{html.escape(status_line(gen))}</span>"
+                )
+
+    def _draw_buttons(self, state: str, final: bool) -> None:
+        token = self.gen.token
+        stopping = token.cancelled and not final
+        self.stop_button.description = "Stopping…" if stopping else "Stop"
+        self.stop_button.disabled = final or stopping or state not in STOPPABLE_STATES
+        pause = self.pause_button
+        if state == "paused" and not stopping:
+            pause.description, pause.icon, pause.disabled = "Resume", "play", False
+        elif state in RUNNING_STATES and token.pause_requested and not stopping:
+            # Requested, not yet in effect: the worker pauses at its next checkpoint.
+            pause.description, pause.icon, pause.disabled = "Pausing…", "pause", True
+        else:
+            pause.description, pause.icon = "Pause", "pause"
+            pause.disabled = stopping or state not in RUNNING_STATES
+
+    def publish_final(self) -> None:
+        # One update of the whole bundle: live frontends redraw the same widget,
+        # headless ones store the final text/plain (see the module docstring).
+        with self._lock:
+            if self.handle is not None:
+                self.handle.update(self._bundle())
+
+
+class TerminalView(GenerationView):
+    """Terminal IPython: print the text as it comes while the cell waits."""
+
+    def __init__(self, gen: Generation, *, stream: bool = False, **kwargs: Any) -> None:
+        super().__init__(gen, **kwargs)
+        self.stream = stream
+        self._printed = 0
+
+    def _display(self) -> None:
+        if not self.stream:
+            print(
+                f"mlxgen #{self.gen.id} runs in the background: %mlxgen_jobs shows it, "
+                f"%mlxgen_stop {self.gen.id} stops it, --out NAME binds its handle"
+            )
+
+    def draw(self, *, final: bool) -> None:
+        if not self.stream:
+            return
+        with self._lock:
+            text = self.gen.text
+            print(text[self._printed :], end="", flush=True)
+            self._printed = len(text)
+            if final:
+                print(f"\n[mlxgen {status_line(self.gen)}]", flush=True)
+
+
+def widgets_available() -> bool:
+    """Whether ``ipywidgets`` imports (it is a dependency, but may be broken)."""
+    try:
+        import ipywidgets  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def choose_ui(ui: str, shell: Any) -> str:
+    """Resolve ``auto`` to ``widget``, ``text`` or ``terminal`` for this shell.
+
+    Args:
+        ui: ``"auto"``, ``"widget"`` or ``"text"``.
+        shell: The IPython shell.
+
+    Returns:
+        ``"terminal"`` outside a kernel (whatever was asked), ``"text"`` when
+        asked or when ipywidgets is missing, else ``"widget"``.
+    """
+    if getattr(shell, "kernel", None) is None:
+        return "terminal"
+    if ui == "text" or not widgets_available():
+        return "text"
+    return "widget"
+
+
+def make_view(
+    gen: Generation,
+    *,
+    shell: Any,
+    ui: str = "auto",
+    throttle: float = 0.1,
+    router: Optional[DisplayRouter] = None,
+    waiting: bool = False,
+) -> GenerationView:
+    """The right view for this shell and setting (not shown yet: call ``show()``).
+
+    Args:
+        gen: The generation.
+        shell: The IPython shell.
+        ui: ``"auto"``, ``"widget"`` or ``"text"``. Default: ``"auto"``.
+        throttle: Least seconds between redraws. Default: ``0.1``.
+        router: See :class:`DisplayRouter`. Default: ``None``.
+        waiting: Whether the cell blocks on it (terminal views print then).
+          Default: ``False``.
+    """
+    kind = choose_ui(ui, shell)
+    kwargs: Dict[str, Any] = dict(shell=shell, throttle=throttle, router=router)
+    if kind == "terminal":
+        return TerminalView(gen, stream=waiting, **kwargs)
+    if kind == "text":
+        return TextView(gen, **kwargs)
+    return WidgetView(gen, **kwargs)

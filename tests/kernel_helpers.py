@@ -1,0 +1,237 @@
+"""A real ipykernel driven through jupyter_client, the way a frontend drives it.
+
+:class:`KernelSession` starts the ``python3`` kernel, collects every IOPub
+message on a background thread (outputs of background generations arrive
+after their cell ends), folds widget comm messages into widget states, and
+sends comm messages exactly as a widget frontend does (button clicks).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from jupyter_client.manager import start_new_kernel
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kernel_env(**extra: str) -> Dict[str, str]:
+    """The test process's environment, with this checkout importable."""
+    env = dict(os.environ)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Reply:
+    """The outcome of one execute request.
+
+    Args:
+        msg_id: The request's id (the parent of its outputs).
+        content: The ``execute_reply`` content.
+        outputs: IOPub messages with this parent, up to the ``idle`` status.
+        seconds: Time from the request to its reply.
+    """
+
+    msg_id: str
+    content: Dict[str, Any]
+    outputs: List[Dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.content.get("status") == "ok"
+
+    def stream(self, name: str) -> str:
+        """All text the cell wrote to ``stdout`` or ``stderr``."""
+        return "".join(
+            m["content"]["text"]
+            for m in self.outputs
+            if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
+
+
+class KernelSession:
+    """One running kernel with a message collector.
+
+    Args:
+        env: Extra environment variables for the kernel.
+        extra_arguments: Extra kernel command-line arguments (e.g. ``--MLXGen.ui=text``).
+    """
+
+    def __init__(
+        self, env: Optional[Dict[str, str]] = None, extra_arguments: Optional[List[str]] = None
+    ) -> None:
+        self.km, self.kc = start_new_kernel(
+            kernel_name="python3",
+            startup_timeout=120,
+            env=kernel_env(**(env or {})),
+            extra_arguments=extra_arguments or [],
+        )
+        self.process = self.km.provisioner.process  # the Popen, for its exit code
+        self.messages: List[Dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._collector = threading.Thread(target=self._collect, name="iopub-collector", daemon=True)
+        self._collector.start()
+
+    # -- collecting ----------------------------------------------------------------
+
+    def _collect(self) -> None:
+        while not self._stop:
+            try:
+                msg = self.kc.iopub_channel.get_msg(timeout=0.2)
+            except queue.Empty:
+                continue
+            except Exception:  # channel closed at shutdown
+                return
+            with self._cond:
+                self.messages.append(msg)
+                self._cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+        """Wait until ``predicate()`` is truthy (re-checked on every message and 4x a second)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {timeout} s waiting for {what or predicate}")
+                self._cond.wait(min(left, 0.25))
+
+    def with_parent(self, msg_id: str) -> List[Dict[str, Any]]:
+        """IOPub messages whose parent is ``msg_id`` (so far)."""
+        with self._cond:
+            return [m for m in self.messages if m["parent_header"].get("msg_id") == msg_id]
+
+    # -- executing -----------------------------------------------------------------
+
+    def execute(self, code: str, timeout: float = 120.0, **kwargs: Any) -> Reply:
+        """Run ``code`` and return its reply and outputs once the kernel is idle again."""
+        start = time.monotonic()
+        msg_id = self.kc.execute(code, **kwargs)
+        reply = self._reply(msg_id, timeout)
+        seconds = time.monotonic() - start
+
+        def idle() -> bool:
+            return any(
+                m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                for m in self.with_parent(msg_id)
+            )
+
+        self.wait_until(idle, timeout, f"idle after {code[:40]!r}")
+        return Reply(msg_id, reply["content"], self.with_parent(msg_id), seconds)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until the kernel answers on the shell channel (after a restart).
+
+        Not ``kc.wait_for_ready()``: it reads IOPub, which the collector owns,
+        and a zmq socket must not be read from two threads.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            msg_id = self.kc.kernel_info()
+            try:
+                while True:
+                    msg = self.kc.get_shell_msg(timeout=2.0)
+                    if msg["parent_header"].get("msg_id") == msg_id:
+                        return
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the kernel did not answer within {timeout} s") from None
+
+    def start(self, code: str) -> str:
+        """Send an execute request without waiting; return its msg_id."""
+        return self.kc.execute(code)
+
+    def _reply(self, msg_id: str, timeout: float) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no execute_reply for {msg_id} within {timeout} s")
+            msg = self.kc.get_shell_msg(timeout=left)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+
+    def reply_to(self, msg_id: str, timeout: float = 120.0) -> Reply:
+        """The reply of a request sent with :meth:`start`."""
+        reply = self._reply(msg_id, timeout)
+        return Reply(msg_id, reply["content"], self.with_parent(msg_id))
+
+    def eval(self, expression: str, timeout: float = 60.0) -> Any:
+        """Evaluate ``expression`` in the kernel; return ``literal_eval`` of its repr."""
+        for _ in range(5):
+            reply = self.execute("pass", timeout, user_expressions={"value": expression})
+            # After an error ipykernel aborts requests that were already queued.
+            if reply.content.get("status") != "aborted":
+                break
+            time.sleep(0.2)
+        if "user_expressions" not in reply.content:
+            raise RuntimeError(f"{expression}: {reply.content}")
+        result = reply.content["user_expressions"]["value"]
+        if result["status"] != "ok":
+            raise RuntimeError(f"{expression}: {result.get('ename')}: {result.get('evalue')}")
+        return ast.literal_eval(result["data"]["text/plain"])
+
+    # -- widgets, as a frontend sees them ---------------------------------------------------
+
+    def widgets(self, parent: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        """Widget states by comm id (opened in cell ``parent`` if given), updates applied."""
+        states: Dict[str, Dict[str, Any]] = {}
+        with self._cond:
+            messages = list(self.messages)
+        for m in messages:
+            content = m["content"]
+            if m["msg_type"] == "comm_open" and content.get("target_name") == "jupyter.widget":
+                if parent is None or m["parent_header"].get("msg_id") == parent:
+                    states[content["comm_id"]] = dict(content["data"]["state"])
+            elif m["msg_type"] == "comm_msg" and content["comm_id"] in states:
+                data = content["data"]
+                if data.get("method") == "update":
+                    states[content["comm_id"]].update(data["state"])
+        return states
+
+    def widget(self, parent: str, model: str, **match: Any) -> tuple:
+        """``(comm_id, state)`` of the one widget of ``model`` from cell ``parent``."""
+        found = [
+            (cid, s)
+            for cid, s in self.widgets(parent).items()
+            if s.get("_model_name") == model and all(s.get(k) == v for k, v in match.items())
+        ]
+        assert len(found) == 1, f"expected one {model} {match}, found {len(found)}"
+        return found[0]
+
+    def send_comm(self, comm_id: str, data: Dict[str, Any]) -> None:
+        """Send a ``comm_msg`` on the shell channel, as a widget frontend does."""
+        msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        self.kc.shell_channel.send(msg)
+
+    def click(self, comm_id: str) -> None:
+        """Click a Button: ipywidgets 8's frontend sends a custom ``click`` event."""
+        self.send_comm(comm_id, {"method": "custom", "content": {"event": "click"}})
+
+    # -- ending -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the kernel down (if still running) and stop collecting."""
+        try:
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=False)
+        finally:
+            self._stop = True
+            self._collector.join(5)
+            self.kc.stop_channels()
