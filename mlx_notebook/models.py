@@ -254,26 +254,28 @@ class ModelStore:
         budget_s: float,
         on_pause: Optional[Callable[[], None]],
     ) -> LoadedModel:
-        from mlx_lm.utils import load_model, load_tokenizer
+        from mlx_lm.utils import load_model
 
         start = time.perf_counter()
         folder = source.path
         if source.kind == "gguf":
-            gguf.check_gguf(source.path)
-            token.checkpoint(on_pause=on_pause)
+            # Checks the header before MLX parses the file, converts once per
+            # file hash, and reuses the folder after that.
             folder = gguf.cached_conversion(source.path, self.cache)
             token.checkpoint(on_pause=on_pause)
         try:
             model, config = load_model(folder, lazy=True)
-            tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
         except (ValueError, FileNotFoundError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelFormatError(
-                f"{source.name}: cannot load model ({first}); give an mlx-lm model folder or a llama GGUF file"
-            ) from exc
+            raise _cannot_load(source, exc) from exc
+        # The tokenizer (~0.3 s of Python) loads on a helper thread while the
+        # weights are evaluated, so it never stands between a stop and its effect.
+        tokenizer_job = _TokenizerJob(folder, config.get("eos_token_id"))
         nbytes = evaluate_parameters(
             model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
         )
+        tokenizer = tokenizer_job.result(token, budget_s, on_pause)
+        if isinstance(tokenizer, BaseException):
+            raise _cannot_load(source, tokenizer) from tokenizer
         weights = "as stored"
         if use_cpu_fast_path(model):
             from mlx_lm.utils import dequantize_model
@@ -323,6 +325,39 @@ def use_cpu_fast_path(model) -> bool:
         return True
     fp32_bytes = sum(m.weight.size * (32 // m.bits) * 4 for m in quantized)
     return blas.openblas_active() and fp32_bytes <= CPU_DEQUANTIZE_MAX_BYTES
+
+
+def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelFormatError(
+        f"{source.name}: cannot load model ({first}); give an mlx-lm model folder or a llama GGUF file"
+    )
+
+
+class _TokenizerJob:
+    """Loads a tokenizer on a helper thread (it touches no MLX state)."""
+
+    def __init__(self, folder: Path, eos_token_ids) -> None:
+        self._result: object = None
+        self._thread = threading.Thread(
+            target=self._run, args=(folder, eos_token_ids), name="mlx-notebook-tokenizer", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, folder: Path, eos_token_ids) -> None:
+        from mlx_lm.utils import load_tokenizer
+
+        try:
+            self._result = load_tokenizer(folder, eos_token_ids=eos_token_ids)
+        except Exception as exc:  # handed to the worker thread by result()
+            self._result = exc
+
+    def result(self, token: CancelToken, budget_s: float, on_pause) -> object:
+        """Wait for the tokenizer with a checkpoint every half budget."""
+        while self._thread.is_alive():
+            self._thread.join(budget_s / 2)
+            token.checkpoint(on_pause=on_pause)
+        return self._result
 
 
 def evaluate_parameters(
