@@ -149,8 +149,10 @@ def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
     gen.cancel()
     assert gen.wait(10)
     assert gen.state == "stopped"
-    assert gen.stats.generated_tokens == 0
-    assert gen.stats.prefill_chunks >= 1
+    assert gen.stats.generated_tokens == 0 and gen.stats.ttft_s is None
+    # Layer pieces let a stop land inside the first chunk, so no chunk count
+    # is promised; the stop itself is what must be quick.
+    assert gen.stats.stop_latency_s < 5
 
 
 def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
