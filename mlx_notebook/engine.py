@@ -17,11 +17,13 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Union
+from typing import Iterator, List, Optional, Protocol, Union
 
 import mlx.core as mx
 
@@ -79,6 +81,8 @@ class GenerationRequest:
             )
         elif not self.prompt.strip():
             raise InvalidArgumentError("prompt is empty: give some text to generate from")
+        else:
+            _check_text("prompt", self.prompt)
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_number("top_p", self.top_p, minimum=0.0, exclusive_minimum=True, maximum=1.0)
@@ -89,6 +93,20 @@ class GenerationRequest:
             raise InvalidArgumentError(
                 f"system must be a string or None, got {type(self.system).__name__}"
             )
+        if self.system is not None:
+            _check_text("system", self.system)
+
+
+def _check_text(name: str, text: str) -> None:
+    # Tokenizers take UTF-8 only; a lone surrogate (bytes decoded with
+    # errors="surrogateescape") would fail later, on the worker, with a TypeError.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{name} is not valid UTF-8 text: {text[exc.start]!r} at position {exc.start} is a "
+            "lone surrogate; decode the source bytes with errors='replace'"
+        ) from None
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
@@ -207,6 +225,7 @@ class Engine:
                 progress=lambda done, total: sink.progress("load", done, total),
                 budget_s=request.stop_budget,
                 on_pause=pause.on_pause,
+                on_resume=pause.on_resume,
             )
             sink.stats.load_s = time.perf_counter() - start
             pause.resumed_state = "prefilling"
@@ -240,10 +259,12 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> List[int]
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        with _no_length_warning():
+            ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         text = request.prompt if request.system is None else f"{request.system}\n\n{request.prompt}"
-        ids = tokenizer.encode(text)
+        with _no_length_warning():
+            ids = tokenizer.encode(text)
     ids = list(ids)
     if not ids:
         raise InvalidArgumentError("prompt tokenized to nothing: give some text to generate from")
@@ -253,6 +274,20 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> List[int]
             f"prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt"
         )
     return ids
+
+
+@contextmanager
+def _no_length_warning() -> Iterator[None]:
+    # transformers warns on stderr, i.e. in the user's cell, when a prompt is
+    # longer than the tokenizer's model_max_length; the context check in
+    # prepare_prompt says it in one line instead (or the prompt fits the model).
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def prefill(

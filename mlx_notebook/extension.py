@@ -2,10 +2,12 @@
 
 Loading registers the :class:`~mlx_notebook.magics.MLXGen` magics (and with
 them the ``MLXGen`` config section), the IPython events the display router
-needs, and the kernel hooks (idle SIGINT, shutdown, exit). Unloading removes
-the magics and restores every hook. The loaded state lives in IPython's own
-magics registry, so loading twice (IPython already refuses a second
-``%load_ext``; a direct second call is caught here) never doubles anything.
+needs, and the kernel hooks (idle SIGINT, shutdown, exit). Unloading stops
+the running and queued generations and waits for the worker to park, then
+removes the magics and restores every hook; the worker keeps its loaded
+models for the next load. The loaded state lives in IPython's own magics
+registry, so loading twice (IPython already refuses a second ``%load_ext``;
+a direct second call is caught here) never doubles anything.
 
 Example::
 
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .kernel_hooks import KernelHooks
+from IPython.core.error import UsageError
+from traitlets import TraitError
+
+from .kernel_hooks import SHUTDOWN_DRAIN_S, KernelHooks
 from .magics import MLXGen
 
 # IPython registers a Magics instance under its class name.
@@ -36,7 +41,14 @@ def load(ipython: Any) -> MLXGen:
     existing = loaded_magics(ipython)
     if existing is not None:
         return existing
-    magics = MLXGen(shell=ipython)
+    try:
+        magics = MLXGen(shell=ipython)
+    except TraitError as exc:
+        # IPython keeps a value %config rejected in the shell's config, and a
+        # new MLXGen reads it from there: one line with the fix, no traceback.
+        raise UsageError(
+            f"mlxgen: {exc} (in the IPython config); set a valid value with %config, then load again"
+        ) from None
     ipython.register_magics(magics)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
@@ -50,6 +62,12 @@ def unload(ipython: Any) -> None:
     magics = loaded_magics(ipython)
     if magics is None:
         return
+    worker = magics.used_worker()
+    if worker is not None:
+        # Without the magics and the interrupt hook, %mlxgen_stop and
+        # Interrupt could no longer stop them.
+        worker.cancel_all()
+        worker.drain(SHUTDOWN_DRAIN_S)
     hooks = getattr(magics, "hooks", None)
     if hooks is not None:
         hooks.uninstall()

@@ -519,6 +519,10 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
                                f"file); {_FIX_DOWNLOAD}")
     vocab = embed.shape[0]
     tied = "output.weight" not in info.tensors
+    context = _meta_int(info, f"{arch}.context_length", label, default=2048)
+    if context < 1:  # else every prompt would be "too long for a context of 0"
+        raise ModelFormatError(f"{label}: invalid metadata {arch}.context_length = {context} "
+                               f"(corrupt GGUF file); {_FIX_DOWNLOAD}")
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -533,7 +537,7 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
         # llama.cpp's converter permutes q/k rows into the interleaved rotary layout.
         "rope_traditional": True,
         "vocab_size": vocab,
-        "max_position_embeddings": _meta_int(info, f"{arch}.context_length", label, default=2048),
+        "max_position_embeddings": context,
         "tie_word_embeddings": tied,
         "attention_bias": "blk.0.attn_q.bias" in info.tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in info.tensors,

@@ -54,7 +54,7 @@ _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the hel
 SHUTDOWN_DRAIN_S = 2.0
 
 
-def wait_for(gen: Generation, *, poll_s: float = 0.05) -> None:
+def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False) -> None:
     """Block until ``gen`` finishes; turn an interrupt into a safe stop.
 
     On SIGINT the generation's token is cancelled at once (from the signal
@@ -64,17 +64,23 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05) -> None:
     Args:
         gen: The generation to wait for.
         poll_s: How often the wait wakes up. Default: ``0.05``.
+        interrupted: An interrupt already arrived before the wait began:
+          stop ``gen`` at once, drain, and raise. Default: ``False``.
 
     Raises:
         KeyboardInterrupt: An interrupt arrived; the generation is stopped and
           nothing is in flight any more.
     """
     __tracebackhide__ = True  # IPython: the user's cell is the interesting frame
+    if interrupted:
+        gen.cancel()
     if threading.current_thread() is not threading.main_thread():
         # Signals are delivered to the main thread only: nothing to intercept.
         gen.wait()
+        if interrupted:
+            raise KeyboardInterrupt(_stopped_message(gen))
         return
-    interrupts: List[float] = []
+    interrupts: List[float] = [time.perf_counter()] if interrupted else []
 
     def on_sigint(signum: int, frame: Optional[FrameType]) -> None:
         # Only the token here: a signal handler can run while this thread holds

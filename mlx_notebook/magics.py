@@ -198,18 +198,30 @@ class MLXGen(Magics):
             )
         except MLXNotebookError as exc:
             raise _fail(error_line(exc)) from None
-        if args.out is not None:
-            self.shell.user_ns[args.out] = gen
         waiting = self.wait if args.wait is None else args.wait
-        view = make_view(
-            gen,
-            shell=self.shell,
-            ui="text" if args.plain else self.ui,
-            throttle=self.throttle,
-            router=self.router,
-            waiting=waiting,
-        )
-        view.show()
+        view = None
+        try:
+            if args.out is not None:
+                self.shell.user_ns[args.out] = gen
+            view = make_view(
+                gen,
+                shell=self.shell,
+                ui="text" if args.plain else self.ui,
+                throttle=self.throttle,
+                router=self.router,
+                waiting=waiting,
+            )
+            view.show()
+        except KeyboardInterrupt:
+            # Interrupted before the wait began (showing the widget takes a
+            # while): the generation must not run on unseen. Stop and drain it,
+            # show how it ended (the view may not follow it yet), raise.
+            try:
+                wait_for(gen, interrupted=True)
+            finally:
+                if view is not None and view.handle is not None:
+                    view.finish()
+            raise
         if waiting:
             wait_for(gen)
             if gen.state == "failed" and gen.error is not None:

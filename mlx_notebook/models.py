@@ -13,7 +13,9 @@ Everything here runs on the worker thread (MLX streams belong to threads).
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -213,6 +215,7 @@ class ModelStore:
         progress: Optional[ProgressCallback] = None,
         budget_s: float = 0.2,
         on_pause: Optional[Callable[[], None]] = None,
+        on_resume: Optional[Callable[[], None]] = None,
     ) -> LoadedModel:
         """Return the loaded model for ``name``, loading it if needed.
 
@@ -221,7 +224,7 @@ class ModelStore:
             token: Checked between parameter batches. Default: ``None``.
             progress: Called with ``(bytes_done, bytes_total)``. Default: ``None``.
             budget_s: Target seconds per parameter batch. Default: ``0.2``.
-            on_pause: Passed to ``token.checkpoint``. Default: ``None``.
+            on_pause, on_resume: Passed to ``token.checkpoint``. Default: ``None``.
 
         Raises:
             ModelNotFoundError, ModelFormatError: The name or file is bad.
@@ -232,7 +235,7 @@ class ModelStore:
             found = self._models.get(source.key)
         if found is not None:
             return found
-        loaded = self._load(source, token or CancelToken(), progress, budget_s, on_pause)
+        loaded = self._load(source, token or CancelToken(), progress, budget_s, on_pause, on_resume)
         with self._lock:
             self._models[source.key] = loaded
         return loaded
@@ -253,27 +256,36 @@ class ModelStore:
         progress: Optional[ProgressCallback],
         budget_s: float,
         on_pause: Optional[Callable[[], None]],
+        on_resume: Optional[Callable[[], None]] = None,
     ) -> LoadedModel:
-        from mlx_lm.utils import load_model
-
         start = time.perf_counter()
         folder = source.path
         if source.kind == "gguf":
             # Checks the header before MLX parses the file, converts once per
             # file hash, and reuses the folder after that.
             folder = gguf.cached_conversion(source.path, self.cache)
-            token.checkpoint(on_pause=on_pause)
+            token.checkpoint(on_pause=on_pause, on_resume=on_resume)
+        if "mlx_lm.utils" not in sys.modules:
+            # The first import takes seconds on a small CPU (it imports
+            # transformers): on a helper thread, so that a stop never waits for it.
+            imported = _HelperJob("mlx-notebook-import", importlib.import_module, "mlx_lm.utils")
+            failed = imported.result(token, budget_s, on_pause, on_resume)
+            if isinstance(failed, BaseException):
+                raise failed
+        from mlx_lm.utils import load_model
+
         try:
             model, config = load_model(folder, lazy=True)
         except (ValueError, FileNotFoundError, KeyError) as exc:
             raise _cannot_load(source, exc) from exc
         # The tokenizer (~0.3 s of Python) loads on a helper thread while the
         # weights are evaluated, so it never stands between a stop and its effect.
-        tokenizer_job = _TokenizerJob(folder, config.get("eos_token_id"))
+        tokenizer_job = _HelperJob("mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"))
         nbytes = evaluate_parameters(
-            model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
+            model, token=token, progress=progress, budget_s=budget_s,
+            on_pause=on_pause, on_resume=on_resume,
         )
-        tokenizer = tokenizer_job.result(token, budget_s, on_pause)
+        tokenizer = tokenizer_job.result(token, budget_s, on_pause, on_resume)
         if isinstance(tokenizer, BaseException):
             raise _cannot_load(source, tokenizer) from tokenizer
         weights = "as stored"
@@ -283,7 +295,8 @@ class ModelStore:
             dequantize_model(model)
             model.set_dtype(mx.float32)
             nbytes = evaluate_parameters(
-                model, token=token, progress=progress, budget_s=budget_s, on_pause=on_pause
+                model, token=token, progress=progress, budget_s=budget_s,
+                on_pause=on_pause, on_resume=on_resume,
             )
             weights = "float32, dequantized for OpenBLAS (MLX_NOTEBOOK_CPU_DEQUANTIZE=0 keeps them quantized)"
         model.eval()
@@ -334,29 +347,31 @@ def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
     )
 
 
-class _TokenizerJob:
-    """Loads a tokenizer on a helper thread (it touches no MLX state)."""
+def _load_tokenizer(folder: Path, eos_token_ids) -> object:
+    from mlx_lm.utils import load_tokenizer
 
-    def __init__(self, folder: Path, eos_token_ids) -> None:
+    return load_tokenizer(folder, eos_token_ids=eos_token_ids)
+
+
+class _HelperJob:
+    """Runs Python work that touches no MLX state (an import, a tokenizer) on a helper thread."""
+
+    def __init__(self, name: str, fn: Callable[..., object], *args: object) -> None:
         self._result: object = None
-        self._thread = threading.Thread(
-            target=self._run, args=(folder, eos_token_ids), name="mlx-notebook-tokenizer", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self, folder: Path, eos_token_ids) -> None:
-        from mlx_lm.utils import load_tokenizer
-
+    def _run(self, fn: Callable[..., object], args: tuple) -> None:
         try:
-            self._result = load_tokenizer(folder, eos_token_ids=eos_token_ids)
+            self._result = fn(*args)
         except Exception as exc:  # handed to the worker thread by result()
             self._result = exc
 
-    def result(self, token: CancelToken, budget_s: float, on_pause) -> object:
-        """Wait for the tokenizer with a checkpoint every half budget."""
+    def result(self, token: CancelToken, budget_s: float, on_pause, on_resume=None) -> object:
+        """Wait for the result (or the exception) with a checkpoint every half budget."""
         while self._thread.is_alive():
             self._thread.join(budget_s / 2)
-            token.checkpoint(on_pause=on_pause)
+            token.checkpoint(on_pause=on_pause, on_resume=on_resume)
         return self._result
 
 
@@ -367,6 +382,7 @@ def evaluate_parameters(
     progress: Optional[ProgressCallback] = None,
     budget_s: float = 0.2,
     on_pause: Optional[Callable[[], None]] = None,
+    on_resume: Optional[Callable[[], None]] = None,
 ) -> int:
     """Evaluate a lazily loaded model's parameters in budget-sized batches.
 
@@ -400,5 +416,5 @@ def evaluate_parameters(
         done += size
         if progress is not None:
             progress(done, total)
-        token.checkpoint(on_pause=on_pause)
+        token.checkpoint(on_pause=on_pause, on_resume=on_resume)
     return total

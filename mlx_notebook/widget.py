@@ -222,6 +222,10 @@ class GenerationView:
         with thread_parent(self.shell, self.parent):
             self.draw(final=False)
 
+    def finish(self) -> None:
+        """Draw the end of a finished generation (also when the listener never came)."""
+        self._finish()
+
     def _finish(self) -> None:
         with thread_parent(self.shell, self.parent):
             self.draw(final=True)
@@ -294,6 +298,23 @@ class TextView(GenerationView):
             self.draw(final=True)
 
 
+def _keep_frontend_subshell(widget: Any) -> None:
+    """Let clicks on ``widget`` run while a ``--wait`` cell blocks the main shell.
+
+    JupyterLab >= 4.4 sends comm messages to a kernel subshell
+    (``commsOverSubshells``, default ``perCommTarget``), but ipykernel 7.4
+    re-routes each one to the subshell that last *sent* on that comm: the
+    running cell's, so a Stop click queued behind the very cell it should stop.
+    Keeping the frontend's choice runs the click on the subshell thread
+    (measured in JupyterLab 4.6 + Chromium: the stop lands in ~0.1 s during
+    the blocking cell). ``_reply_subshell_for`` is private, hence the guard:
+    without it clicks simply wait for the cell, as before.
+    """
+    comm = getattr(widget, "comm", None)
+    if comm is not None and hasattr(comm, "_reply_subshell_for"):
+        comm._reply_subshell_for = lambda data, default: default
+
+
 class WidgetView(GenerationView):
     """Streamed text, Stop and Pause/Resume buttons, progress, stats, outcome colour."""
 
@@ -320,6 +341,8 @@ class WidgetView(GenerationView):
         self.box = w.VBox([controls, self.text, self.status])
         self.stop_button.on_click(self._on_stop_click)
         self.pause_button.on_click(self._on_pause_click)
+        for button in (self.stop_button, self.pause_button):
+            _keep_frontend_subshell(button)
 
     # -- clicks (main thread, from the frontend's comm messages) -----------------------
 
@@ -354,9 +377,11 @@ class WidgetView(GenerationView):
             state = gen.state
             final = final or state in FINAL_STATES
             phase, fraction = self.progress_fraction()
-            with self.box.hold_sync(), self.text.hold_sync(), self.status.hold_sync(), \
-                    self.progress.hold_sync(), self.stop_button.hold_sync(), \
-                    self.pause_button.hold_sync():
+            # Contexts exit in reverse: the text goes out first and the stats
+            # line last, so "done" never shows beside text missing its tail.
+            with self.box.hold_sync(), self.status.hold_sync(), self.progress.hold_sync(), \
+                    self.stop_button.hold_sync(), self.pause_button.hold_sync(), \
+                    self.text.hold_sync():
                 self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(gen.text)}</pre>'
                 self._draw_buttons(state, final)
                 self.progress.description = phase

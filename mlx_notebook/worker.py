@@ -426,9 +426,7 @@ class Worker:
         except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
             self._synchronize_quietly()
             log.debug("generation #%s failed", gen.id, exc_info=True)
-            # Keep the traceback for display but drop the frames' locals: they
-            # hold the KV cache, which would otherwise live as long as the handle.
-            traceback.clear_frames(exc.__traceback__)
+            _detach_traceback(exc)
             gen._finish("failed", error=exc)
         finally:
             self.current = None
@@ -440,3 +438,22 @@ class Worker:
             mx.synchronize(self.stream)
         except Exception:  # the device error is already being reported
             log.debug("synchronize after error failed", exc_info=True)
+
+
+def _detach_traceback(error: BaseException) -> None:
+    """Keep where an error happened as text, and drop its frames.
+
+    The worker's frames reach the KV cache and the model through their
+    functions' closures (``decode``'s ``step``, mlx-lm's list comprehensions),
+    which ``traceback.clear_frames`` cannot clear: a failed handle kept in
+    ``Worker.history`` would pin them for good.
+    """
+    seen = set()
+    exc: Optional[BaseException] = error
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None and hasattr(exc, "add_note"):  # Python >= 3.11
+            where = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+            exc.add_note("mlx-notebook worker traceback:\n" + where)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

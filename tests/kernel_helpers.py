@@ -9,13 +9,15 @@ sends comm messages exactly as a widget frontend does (button clicks).
 from __future__ import annotations
 
 import ast
+import html
 import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from jupyter_client.manager import start_new_kernel
 
@@ -235,3 +237,56 @@ class KernelSession:
             self._stop = True
             self._collector.join(5)
             self.kc.stop_channels()
+
+
+# -- reading a generation's widget as a frontend sees it ------------------------------------
+
+
+def view(kernel: KernelSession, cell: str) -> Dict[str, Any]:
+    """The current state of the widget that cell ``cell`` displayed."""
+    found: Dict[str, Any] = {}
+    for comm_id, state in kernel.widgets(cell).items():
+        model = state.get("_model_name")
+        if model == "HTMLModel" and str(state.get("value", "")).startswith("<pre"):
+            found["text"] = html.unescape(re.sub(r"<[^>]+>", "", state["value"]))
+        elif model == "HTMLModel":
+            found["status"] = html.unescape(re.sub(r"<[^>]+>", "", state.get("value", "")))
+        elif model == "ButtonModel" and state.get("tooltip", "").startswith("Stop"):
+            found["stop"] = (comm_id, state)
+        elif model == "ButtonModel" and state.get("tooltip", "").startswith("Pause"):
+            found["pause"] = (comm_id, state)
+        elif model == "FloatProgressModel":
+            found["progress"] = state
+    return found
+
+
+def status(kernel: KernelSession, cell: str) -> Tuple[str, int]:
+    """``(state, tokens)`` from the widget's stats line, e.g. ``#3 decoding · 5 tokens``."""
+    match = re.match(r"#\d+ (\w+) · (\d+) tokens", view(kernel, cell).get("status", ""))
+    return (match.group(1), int(match.group(2))) if match else ("", 0)
+
+
+def wait_decoding(kernel: KernelSession, cell: str, tokens: int = 2, timeout: float = 180) -> None:
+    kernel.wait_until(
+        lambda: status(kernel, cell)[0] == "decoding" and status(kernel, cell)[1] >= tokens,
+        timeout,
+        f"{tokens} tokens decoded in {cell}",
+    )
+
+
+def wait_state(kernel: KernelSession, cell: str, states: Tuple[str, ...], timeout: float = 180) -> str:
+    return kernel.wait_until(
+        lambda: status(kernel, cell)[0] in states and status(kernel, cell)[0],
+        timeout,
+        f"state in {states} for {cell}",
+    )
+
+
+def one_line_usage_error(reply: Reply) -> str:
+    assert reply.content["status"] == "error"
+    assert reply.content["ename"] == "UsageError", reply.content
+    err = reply.stream("stderr").strip()
+    assert len(err.splitlines()) == 1 and err.startswith("UsageError: mlxgen: "), err
+    assert "Traceback" not in err
+    assert not [m for m in reply.outputs if m["msg_type"] == "error"]
+    return err

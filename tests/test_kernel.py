@@ -12,11 +12,19 @@ from __future__ import annotations
 import html
 import re
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import pytest
 from conftest import has_default_model
-from kernel_helpers import REPO, KernelSession, Reply
+from kernel_helpers import (
+    REPO,
+    KernelSession,
+    one_line_usage_error,
+    status,
+    view,
+    wait_decoding,
+    wait_state,
+)
 
 PROMPT = "Name three rivers."
 # Long enough to interrupt in the middle on a slow CPU, short enough to finish.
@@ -59,46 +67,6 @@ def reference(kernel: KernelSession) -> List[int]:
 # -- reading the widget as a frontend sees it ------------------------------------------
 
 
-def view(kernel: KernelSession, cell: str) -> Dict[str, Any]:
-    """The current state of the widget that cell ``cell`` displayed."""
-    found: Dict[str, Any] = {}
-    for comm_id, state in kernel.widgets(cell).items():
-        model = state.get("_model_name")
-        if model == "HTMLModel" and str(state.get("value", "")).startswith("<pre"):
-            found["text"] = html.unescape(re.sub(r"<[^>]+>", "", state["value"]))
-        elif model == "HTMLModel":
-            found["status"] = html.unescape(re.sub(r"<[^>]+>", "", state.get("value", "")))
-        elif model == "ButtonModel" and state.get("tooltip", "").startswith("Stop"):
-            found["stop"] = (comm_id, state)
-        elif model == "ButtonModel" and state.get("tooltip", "").startswith("Pause"):
-            found["pause"] = (comm_id, state)
-        elif model == "FloatProgressModel":
-            found["progress"] = state
-    return found
-
-
-def status(kernel: KernelSession, cell: str) -> Tuple[str, int]:
-    """``(state, tokens)`` from the widget's stats line, e.g. ``#3 decoding · 5 tokens``."""
-    match = re.match(r"#\d+ (\w+) · (\d+) tokens", view(kernel, cell).get("status", ""))
-    return (match.group(1), int(match.group(2))) if match else ("", 0)
-
-
-def wait_decoding(kernel: KernelSession, cell: str, tokens: int = 2, timeout: float = 180) -> None:
-    kernel.wait_until(
-        lambda: status(kernel, cell)[0] == "decoding" and status(kernel, cell)[1] >= tokens,
-        timeout,
-        f"{tokens} tokens decoded in {cell}",
-    )
-
-
-def wait_state(kernel: KernelSession, cell: str, states: Tuple[str, ...], timeout: float = 180) -> str:
-    return kernel.wait_until(
-        lambda: status(kernel, cell)[0] in states and status(kernel, cell)[0],
-        timeout,
-        f"state in {states} for {cell}",
-    )
-
-
 def final_display(kernel: KernelSession, cell: str) -> Dict[str, Any]:
     """The latest display bundle (text/plain and metadata) of the cell's generation."""
     with kernel._cond:
@@ -118,16 +86,6 @@ def _display_ids(kernel: KernelSession, cell: str) -> List[str]:
         for m in kernel.with_parent(cell)
         if m["msg_type"] == "display_data" and "transient" in m["content"]
     ]
-
-
-def one_line_usage_error(reply: Reply) -> str:
-    assert reply.content["status"] == "error"
-    assert reply.content["ename"] == "UsageError", reply.content
-    err = reply.stream("stderr").strip()
-    assert len(err.splitlines()) == 1 and err.startswith("UsageError: mlxgen: "), err
-    assert "Traceback" not in err
-    assert not [m for m in reply.outputs if m["msg_type"] == "error"]
-    return err
 
 
 # -- the tests ----------------------------------------------------------------------------------

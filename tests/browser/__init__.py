@@ -1,0 +1,1 @@
+"""Browser end-to-end tests: JupyterLab + Chromium driving ``%%mlxgen`` (see conftest.py)."""

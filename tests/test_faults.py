@@ -1,0 +1,233 @@
+"""The fault campaign, short: random faults in a real kernel, and nothing lost.
+
+About 30 rounds of ``tests/fault_rounds.py`` on the tiny random model (every
+fault: Stop click, ``%mlxgen_stop``, Pause+Resume, Pause+Stop, Interrupt
+during ``--wait``, Interrupt while idle, another generation, kernel restart;
+at a random moment of load, prefill, decode, paused, queued or idle), a few
+rounds on the default model, MLX errors inside the worker, and kernel
+shutdown / restart in the middle of generations. After every round the kernel
+answers, a fresh greedy generation gives the reference tokens, MLX active
+memory is back at its baseline and no thread was left behind.
+``scripts/fault_campaign.py`` runs the same rounds for hours.
+
+Also the regression tests of the bugs the campaign found.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from conftest import has_default_model, needs_default_model
+from fault_rounds import (
+    FAULTS,
+    PHASES,
+    Campaign,
+    RoundResult,
+    default_spec,
+    plan,
+    summarize,
+    tiny_spec,
+)
+from kernel_helpers import KernelSession
+from tiny_model import make_tiny_model
+
+import mlx_notebook
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SEED = 3
+ROUNDS = 30
+
+
+@pytest.fixture(scope="module")
+def campaign(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    other = make_tiny_model(tmp_path_factory.mktemp("tiny-b") / "model", seed=1)
+    models = [tiny_spec("tiny", tiny_model), tiny_spec("tiny-b", str(other))]
+    if has_default_model():
+        models.append(default_spec())
+    c = Campaign(models, seed=SEED)
+    c.start()
+    yield c
+    c.close()
+
+
+def _no_problems(results: list[RoundResult]) -> None:
+    bad = [r.summary() for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+    summary = summarize(results)
+    assert summary["kernel_deaths"] == 0 and summary["wrong_outputs"] == 0, summary
+
+
+def test_random_fault_rounds(campaign: Campaign) -> None:
+    schedule = plan(SEED, ROUNDS, mlx_error_share=0.0)
+    assert {f for _, f in schedule} == set(FAULTS) and {p for p, _ in schedule} == set(PHASES)
+    results = [campaign.run_round(i, phase, fault) for i, (phase, fault) in enumerate(schedule)]
+    _no_problems(results)
+    assert any(r.outcome == "stopped" for r in results), "no round stopped a generation"
+    assert any(r.fault == "pause_resume" and r.outcome == "done" for r in results), "no pause+resume"
+
+
+@pytest.mark.parametrize("phase, how", [("prefill", "eval"), ("decode", "raise"), ("decode", "eval")])
+def test_mlx_error_fails_only_that_generation(campaign: Campaign, phase: str, how: str) -> None:
+    result = campaign.run_round(100, phase, "mlx_error", how=how)
+    _no_problems([result])
+    assert result.outcome == "failed", result.summary()
+
+
+@needs_default_model
+@pytest.mark.parametrize(
+    "phase, fault", [("load", "stop_click"), ("load", "pause_resume"), ("prefill", "interrupt_wait")]
+)
+def test_default_model_rounds(campaign: Campaign, phase: str, fault: str) -> None:
+    result = campaign.run_round(200, phase, fault, model="default")
+    _no_problems([result])
+    assert result.landed in ("loading", "prefilling", "paused"), result.summary()
+
+
+@pytest.mark.parametrize(
+    "index, mode, phase",
+    [(0, "restart", "decode"), (1, "shutdown", "load"), (2, "restart", "paused"), (3, "shutdown", "queued")],
+)
+def test_shutdown_and_restart_mid_generation(campaign: Campaign, index: int, mode: str, phase: str) -> None:
+    result = campaign.exit_round(index, mode, phase)
+    assert result.ok, result.summary()
+    # Nothing had to be killed: the hooks drain the worker before the kernel exits.
+    assert result.exit["code"] == 0 and result.exit["jupyter_client"] == "ShutdownRequest", result.exit
+
+
+# -- regression tests for what the campaign found --------------------------------------------------
+
+
+class _FailsAt(nn.Module):
+    """A layer that raises at its ``at``-th call (mid-decode for a short prompt)."""
+
+    def __init__(self, layer: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = layer, at, 0
+
+    def __getattr__(self, name: str):
+        if "inner" in self and name not in self:
+            return getattr(self["inner"], name)
+        return super().__getattr__(name)
+
+    def __call__(self, x, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.at:
+            raise RuntimeError("[fault injection] layer failed on purpose")
+        return self.inner(x, *args, **kwargs)
+
+
+def test_failed_generation_frees_its_kv_cache(worker, tiny_model: str) -> None:
+    """A failed handle used to pin its KV cache and model through the error's traceback.
+
+    ``traceback.clear_frames`` clears the frames' locals, but the frames keep
+    their functions, whose closures (``decode``'s ``step``) hold the cache.
+    """
+    mlx_notebook.generate("hi", model=tiny_model, worker=worker, max_tokens=2).result(timeout=60)
+    base = worker.call(lambda store: mx.get_active_memory())
+    model, _ = mlx_notebook.load_model(tiny_model, worker=worker)
+    layers = model.model.layers
+    original = layers[1]
+    layers[1] = _FailsAt(original, at=60)
+    try:
+        gen = mlx_notebook.generate(
+            "The quick brown fox " * 20, model=tiny_model, worker=worker, max_tokens=200
+        )
+        assert gen.wait(60) and gen.state == "failed" and gen.tokens, (gen.state, gen.error)
+    finally:
+        layers[1] = original
+    assert worker.call(lambda store: mx.get_active_memory()) <= base * 1.05
+    assert gen.error.__traceback__ is None
+    notes = "".join(getattr(gen.error, "__notes__", []))
+    assert "worker traceback" in notes or not hasattr(gen.error, "add_note")
+    with pytest.raises(RuntimeError, match="fault injection"):
+        gen.result()
+
+
+def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_path: Path) -> None:
+    """Resume during a model load used to leave the state ``paused`` until the load ended."""
+    folder = str(make_tiny_model(tmp_path / "m", layers=8, hidden=256, intermediate=512))
+    states: list[str] = []
+    paused = threading.Event()
+
+    def on_event(event) -> None:
+        if event.kind == "state":
+            states.append(event.state)
+            if event.state == "paused":
+                paused.set()
+        elif event.kind == "progress" and event.phase == "load" and 0 < event.done < event.total:
+            if not paused.is_set():
+                event.generation.pause()
+
+    # A running job keeps the next one queued until its listener is attached.
+    blocker = mlx_notebook.generate("hi", model=tiny_model, worker=worker, max_tokens=100000)
+    gen = mlx_notebook.generate("hi", model=folder, worker=worker, max_tokens=4, stop_budget=0.0005)
+    gen.add_listener(on_event)
+    blocker.cancel()
+    assert paused.wait(60), f"never paused during load: {states}"
+    time.sleep(0.05)
+    gen.resume()
+    assert gen.wait(60) and gen.state == "done"
+    after = states[states.index("paused") + 1]
+    assert after == "loading", states
+
+
+def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model: str) -> None:
+    """An interrupt while a ``--wait`` cell was still showing its widget used to
+    end the cell and leave the generation running unseen in the background."""
+    session = KernelSession()
+    try:
+        assert session.execute("%load_ext mlx_notebook").ok
+        assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok  # loaded
+        # Make showing the widget slow, so the interrupt surely lands before the wait.
+        assert session.execute(
+            "import time, mlx_notebook.widget as W\n"
+            "_show = W.WidgetView._display\n"
+            "W.WidgetView._display = lambda self: (time.sleep(1.5), _show(self))[1]"
+        ).ok
+        cell = session.start(f"%%mlxgen -m {tiny_model} -n 100000 --wait -o g\nhi")
+        time.sleep(0.7)
+        session.km.interrupt_kernel()
+        reply = session.reply_to(cell, timeout=60)
+        assert reply.content["ename"] == "KeyboardInterrupt", reply.content
+        assert "stopped after" in reply.content["evalue"], reply.content
+        assert session.eval("(g.wait(10), g.state)") == (True, "stopped")
+        assert session.execute("W.WidgetView._display = _show").ok
+        assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok
+    finally:
+        session.close()
+
+
+_FIRST_LOAD = """
+import sys, time
+import mlx_notebook
+assert "mlx_lm.utils" not in sys.modules
+gen = mlx_notebook.generate("hi", model=sys.argv[1], max_tokens=1000)
+while gen.state != "loading":
+    time.sleep(0.001)
+time.sleep(float(sys.argv[2]))
+gen.cancel()
+assert gen.wait(30)
+print(gen.state, gen.stats.stop_latency_s)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_stop_during_the_first_import_of_mlx_lm_is_quick(tiny_model: str, delay: float) -> None:
+    """The first load of a session imports mlx-lm (and transformers): ~1.3 s here,
+    which a stop, an interrupt or a kernel shutdown used to wait for in full."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIRST_LOAD, tiny_model, str(delay)],
+        capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).parent.parent),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    state, latency = proc.stdout.split()[-2:]
+    assert state == "stopped" and float(latency) < 0.5, proc.stdout
