@@ -79,7 +79,6 @@ class LoadedModel:
     nbytes: int
     load_s: float
     prefill_s_per_token: Optional[float] = None
-    decode_s_per_token: Optional[float] = None
     extras: dict = field(default_factory=dict)
 
 

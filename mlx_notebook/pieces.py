@@ -95,9 +95,9 @@ class LayerRunner:
         self.on_resume = on_resume
         self.budget_s = budget_s
         self.n_layers = len(owner.layers)
-        # Chunks may be as long as two *layers* of them fit the budget: a stop
-        # waits for at most the group being waited on plus the one queued.
-        self.chunk_budget_factor = max(1.0, self.n_layers / 2)
+        # Chunks may be as long as the groups a stop can wait for (the one
+        # being waited on plus those queued), one layer each, fit the budget.
+        self.chunk_budget_factor = max(1.0, self.n_layers / (self.max_in_flight + 1))
         self.group = 1
         self._seconds_per_layer_token: Optional[float] = None
         self._in_flight: List[mx.array] = []
