@@ -38,8 +38,9 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from .worker import Generation, Worker
 
@@ -105,6 +106,30 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False
         signal.signal(signal.SIGINT, previous)
     if interrupts:
         raise KeyboardInterrupt(_stopped_message(gen))
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[List[float]]:
+    """Note SIGINT instead of raising it for the block (main thread only).
+
+    A ``KeyboardInterrupt`` can surface at any bytecode: inside ipywidgets'
+    ``hold_sync`` it leaves a widget that never sends an update again, and
+    between queueing a generation and waiting for it, it leaves the
+    generation running unseen. The block sees the interrupts as a list of
+    times; :func:`wait_for` inside it still catches its own.
+
+    Yields:
+        The times of the interrupts that arrived (empty if none).
+    """
+    noted: List[float] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(time.perf_counter()))
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stopped_message(gen: Generation) -> str:

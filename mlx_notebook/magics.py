@@ -31,7 +31,7 @@ from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 from .engine import GenerationRequest
 from .errors import MLXNotebookError
 from .interpolate import interpolate
-from .kernel_hooks import KernelHooks, wait_for
+from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
 from .models import resolve
 from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
 from .worker import Generation, Worker
@@ -183,24 +183,28 @@ class MLXGen(Magics):
             raise _fail("the cell is empty: write the prompt below the %%mlxgen line")
         try:
             prompt = interpolate(cell.strip(), self.shell.user_ns)
-            gen = self.worker.submit(
-                GenerationRequest(
-                    prompt=prompt,
-                    model=args.model if args.model is not None else self.model,
-                    max_tokens=args.max_tokens if args.max_tokens is not None else self.max_tokens,
-                    temperature=args.temperature if args.temperature is not None else self.temperature,
-                    top_p=args.top_p,
-                    seed=args.seed,
-                    system=args.system if args.system is not None else self.system,
-                    chat=not args.raw,
-                    stop_budget=args.budget if args.budget is not None else self.stop_budget,
-                )
-            )
         except MLXNotebookError as exc:
             raise _fail(error_line(exc)) from None
+        request = GenerationRequest(
+            prompt=prompt,
+            model=args.model if args.model is not None else self.model,
+            max_tokens=args.max_tokens if args.max_tokens is not None else self.max_tokens,
+            temperature=args.temperature if args.temperature is not None else self.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            system=args.system if args.system is not None else self.system,
+            chat=not args.raw,
+            stop_budget=args.budget if args.budget is not None else self.stop_budget,
+        )
         waiting = self.wait if args.wait is None else args.wait
-        view = None
-        try:
+        # From queueing to waiting, an interrupt is noted rather than raised: raised
+        # mid-way it would leave the generation running unseen, or a widget that
+        # no longer updates (ipywidgets' hold_sync). Noted, it stops the generation.
+        with deferred_interrupts() as interrupted:
+            try:
+                gen = self.worker.submit(request)
+            except MLXNotebookError as exc:
+                raise _fail(error_line(exc)) from None
             if args.out is not None:
                 self.shell.user_ns[args.out] = gen
             view = make_view(
@@ -212,18 +216,9 @@ class MLXGen(Magics):
                 waiting=waiting,
             )
             view.show()
-        except KeyboardInterrupt:
-            # Interrupted before the wait began (showing the widget takes a
-            # while): the generation must not run on unseen. Stop and drain it,
-            # show how it ended (the view may not follow it yet), raise.
-            try:
-                wait_for(gen, interrupted=True)
-            finally:
-                if view is not None and view.handle is not None:
-                    view.finish()
-            raise
+            if waiting or interrupted:
+                wait_for(gen, interrupted=bool(interrupted))
         if waiting:
-            wait_for(gen)
             if gen.state == "failed" and gen.error is not None:
                 raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
 

@@ -279,7 +279,9 @@ class ModelStore:
             raise _cannot_load(source, exc) from exc
         # The tokenizer (~0.3 s of Python) loads on a helper thread while the
         # weights are evaluated, so it never stands between a stop and its effect.
-        tokenizer_job = _HelperJob("mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"))
+        tokenizer_job = _HelperJob(
+            "mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id")
+        )
         nbytes = evaluate_parameters(
             model, token=token, progress=progress, budget_s=budget_s,
             on_pause=on_pause, on_resume=on_resume,

@@ -222,10 +222,6 @@ class GenerationView:
         with thread_parent(self.shell, self.parent):
             self.draw(final=False)
 
-    def finish(self) -> None:
-        """Draw the end of a finished generation (also when the listener never came)."""
-        self._finish()
-
     def _finish(self) -> None:
         with thread_parent(self.shell, self.parent):
             self.draw(final=True)

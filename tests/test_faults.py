@@ -33,7 +33,7 @@ from fault_rounds import (
     summarize,
     tiny_spec,
 )
-from kernel_helpers import KernelSession
+from kernel_helpers import KernelSession, view, wait_state
 from tiny_model import make_tiny_model
 
 import mlx_notebook
@@ -177,27 +177,41 @@ def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_p
     assert after == "loading", states
 
 
-def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model: str) -> None:
+SLOW = {
+    # Where the interrupt lands: while the widget is being displayed, or after
+    # that but before the view follows the generation.
+    "display": ("import mlx_notebook.widget as W", "W.WidgetView._display"),
+    "listener": ("import mlx_notebook.worker as W", "W.Generation.add_listener"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(SLOW))
+def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model: str, where: str) -> None:
     """An interrupt while a ``--wait`` cell was still showing its widget used to
-    end the cell and leave the generation running unseen in the background."""
+    end the cell and leave the generation running unseen in the background,
+    and the widget showing "queued" with its Stop button enabled (or, landing
+    inside ipywidgets' ``hold_sync``, a widget that never updated again)."""
+    module, target = SLOW[where]
     session = KernelSession()
     try:
         assert session.execute("%load_ext mlx_notebook").ok
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok  # loaded
-        # Make showing the widget slow, so the interrupt surely lands before the wait.
+        # Make that step slow, so the interrupt surely lands in it.
         assert session.execute(
-            "import time, mlx_notebook.widget as W\n"
-            "_show = W.WidgetView._display\n"
-            "W.WidgetView._display = lambda self: (time.sleep(1.5), _show(self))[1]"
+            f"import time; {module}\n_slow = {target}\n"
+            f"{target} = lambda *a: (time.sleep(1.5), _slow(*a))[1]"
         ).ok
         cell = session.start(f"%%mlxgen -m {tiny_model} -n 100000 --wait -o g\nhi")
         time.sleep(0.7)
         session.km.interrupt_kernel()
         reply = session.reply_to(cell, timeout=60)
+        assert session.execute(f"{target} = _slow").ok
         assert reply.content["ename"] == "KeyboardInterrupt", reply.content
         assert "stopped after" in reply.content["evalue"], reply.content
         assert session.eval("(g.wait(10), g.state)") == (True, "stopped")
-        assert session.execute("W.WidgetView._display = _show").ok
+        # The widget follows the generation to its end (it used to stay "queued").
+        assert wait_state(session, cell, ("stopped",), timeout=10) == "stopped"
+        assert view(session, cell)["stop"][1]["disabled"] is True
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok
     finally:
         session.close()
