@@ -267,6 +267,11 @@ class ModelStore:
         if "mlx_lm.utils" not in sys.modules:
             # The first import takes seconds on a small CPU (it imports
             # transformers): on a helper thread, so that a stop never waits for it.
+            # A stopped import goes on while the interpreter exits, and
+            # concurrent.futures.thread refuses to be first imported then
+            # ("can't register atexit after shutdown", printed by
+            # huggingface_hub's lazy import): import it here, first.
+            importlib.import_module("concurrent.futures.thread")
             imported = _HelperJob("mlx-notebook-import", importlib.import_module, "mlx_lm.utils")
             failed = imported.result(token, budget_s, on_pause, on_resume)
             if isinstance(failed, BaseException):
