@@ -296,6 +296,12 @@ class ModelStore:
             raise _cannot_load(source, tokenizer) from tokenizer
         weights = "as stored"
         if use_cpu_fast_path(model):
+            dequantize_to_float32(
+                model, token=token, progress=progress, budget_s=budget_s,
+                on_pause=on_pause, on_resume=on_resume,
+            )
+            # Quantized layers of other kinds (none in the supported families) and
+            # the norms: lazy here, evaluated in batches just below.
             from mlx_lm.utils import dequantize_model
 
             dequantize_model(model)
@@ -381,6 +387,49 @@ class _HelperJob:
         return self._result
 
 
+class BatchEvaluator:
+    """Evaluates lazy arrays in batches sized so that one batch takes about ``budget_s``.
+
+    The batch size adapts to the bytes per second measured on the previous
+    batch, so a stop waits for one batch at most; there is a checkpoint after
+    every batch.
+    """
+
+    def __init__(
+        self,
+        token: CancelToken,
+        budget_s: float,
+        on_pause: Optional[Callable[[], None]] = None,
+        on_resume: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.token = token
+        self.budget_s = budget_s
+        self.on_pause = on_pause
+        self.on_resume = on_resume
+        # Small first batch: its only job is to measure the rate.
+        self.batch_bytes = 4 << 20
+
+    def run(self, arrays: List[mx.array], done: Optional[Callable[[int], None]] = None) -> None:
+        """Evaluate ``arrays``; ``done(nbytes)`` follows every batch."""
+        i = 0
+        while i < len(arrays):
+            batch: List[mx.array] = []
+            size = 0
+            while i < len(arrays) and (not batch or size + arrays[i].nbytes <= self.batch_bytes):
+                batch.append(arrays[i])
+                size += arrays[i].nbytes
+                i += 1
+            t0 = time.perf_counter()
+            mx.eval(batch)
+            elapsed = max(time.perf_counter() - t0, 1e-4)
+            # 0.7: keep a margin under the budget; at most 4x growth per batch.
+            target = int(size / elapsed * self.budget_s * 0.7)
+            self.batch_bytes = max(1 << 20, min(target, self.batch_bytes * 4))
+            if done is not None:
+                done(size)
+            self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+
+
 def evaluate_parameters(
     model,
     *,
@@ -392,35 +441,92 @@ def evaluate_parameters(
 ) -> int:
     """Evaluate a lazily loaded model's parameters in budget-sized batches.
 
-    The batch size adapts to the measured bytes per second so that one batch
-    takes about ``budget_s``; a stop therefore waits for one batch at most.
-
     Returns:
         The total bytes of parameters.
     """
-    params: List[Tuple[str, mx.array]] = tree_flatten(model.parameters())
-    total = sum(p.nbytes for _, p in params)
-    done = 0
-    # Small first batch: its only job is to measure the read rate.
-    batch_bytes = 4 << 20
-    i = 0
+    params = [p for _, p in tree_flatten(model.parameters())]
+    total = sum(p.nbytes for p in params)
+    loaded = 0
+
+    def done(nbytes: int) -> None:
+        nonlocal loaded
+        loaded += nbytes
+        if progress is not None:
+            progress(loaded, total)
+
     if progress is not None:
         progress(0, total)
-    while i < len(params):
-        batch: List[mx.array] = []
-        size = 0
-        while i < len(params) and (not batch or size + params[i][1].nbytes <= batch_bytes):
-            batch.append(params[i][1])
-            size += params[i][1].nbytes
-            i += 1
-        t0 = time.perf_counter()
-        mx.eval(batch)
-        elapsed = max(time.perf_counter() - t0, 1e-4)
-        # 0.7: keep a margin under the budget; at most 4x growth per batch.
-        target = int(size / elapsed * budget_s * 0.7)
-        batch_bytes = max(1 << 20, min(target, batch_bytes * 4))
-        done += size
-        if progress is not None:
-            progress(done, total)
-        token.checkpoint(on_pause=on_pause, on_resume=on_resume)
+    BatchEvaluator(token, budget_s, on_pause, on_resume).run(params, done)
     return total
+
+
+# Small blocks: the batch evaluator groups them up to its budget.
+DEQUANTIZE_BLOCK_BYTES = 1 << 20
+
+
+def dequantize_to_float32(
+    model,
+    *,
+    token: CancelToken,
+    progress: Optional[ProgressCallback] = None,
+    budget_s: float = 0.2,
+    on_pause: Optional[Callable[[], None]] = None,
+    on_resume: Optional[Callable[[], None]] = None,
+) -> None:
+    """Replace quantized linear and embedding layers by float32 ones, in row blocks.
+
+    ``mlx_lm.utils.dequantize_model`` makes each weight one lazy array: the
+    default model's 49,152 x 576 embedding then dequantizes in a single
+    evaluation (~0.8 s on a 2-core CPU) that a stop has to wait for. Here each
+    weight is dequantized in blocks of rows evaluated in budget-sized batches,
+    then joined (one copy).
+    """
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    evaluator = BatchEvaluator(token, budget_s, on_pause, on_resume)
+    # Largest first: the first batches are small while the rate is unknown, and
+    # the largest weight (the embedding) runs slowest per byte (fresh pages;
+    # the smaller ones reuse freed buffers), so a rate learned on the small
+    # ones would size its batches ~4x over the budget.
+    targets = sorted(
+        ((name, m) for name, m in model.named_modules()
+         if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)),
+        key=lambda item: -item[1].weight.size,
+    )
+    total = sum(m.weight.shape[0] * m.weight.shape[1] * (32 // m.bits) * 4 for _, m in targets)
+    converted = 0
+
+    def done(nbytes: int) -> None:
+        nonlocal converted
+        converted += nbytes
+        if progress is not None:
+            progress(converted, total)
+
+    replaced = []
+    for name, m in targets:
+        rows = m.weight.shape[0]
+        row_bytes = m.weight.shape[1] * (32 // m.bits) * 4
+        step = max(1, DEQUANTIZE_BLOCK_BYTES // row_bytes)
+        blocks = [
+            mx.dequantize(
+                m.weight[r:r + step], m.scales[r:r + step],
+                None if getattr(m, "biases", None) is None else m.biases[r:r + step],
+                m.group_size, m.bits, m.mode,
+            ).astype(mx.float32)
+            for r in range(0, rows, step)
+        ]
+        evaluator.run(blocks, done)
+        weight = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)
+        del blocks
+        evaluator.run([weight])
+        if isinstance(m, nn.QuantizedEmbedding):
+            layer = nn.Embedding(*weight.shape)
+        else:
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        layer.weight = weight
+        replaced.append((name, layer))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
