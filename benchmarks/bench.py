@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=20, help="stop samples per phase and length")
-    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--budget", type=float, default=mlx_notebook.DEFAULT_STOP_BUDGET_S)
     ap.add_argument("--pieces", default="layers", help="layers, chunks, or both (compare)")
     ap.add_argument("--max-window", type=float, default=20.0, help="cap of the random stop moment, seconds")
     ap.add_argument("--skip-throughput", action="store_true")

@@ -21,7 +21,7 @@ preload_openblas()
 import threading  # noqa: E402
 from typing import Any, Optional, Tuple  # noqa: E402
 
-from .control import Cancelled, CancelToken  # noqa: E402
+from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken  # noqa: E402
 from .engine import GenerationRequest, GenerationStats  # noqa: E402
 from .errors import (  # noqa: E402
     InvalidArgumentError,
@@ -65,7 +65,7 @@ def generate(
     seed: Optional[int] = None,
     system: Optional[str] = None,
     chat: bool = True,
-    stop_budget: float = 0.2,
+    stop_budget: float = DEFAULT_STOP_BUDGET_S,
     worker: Optional[Worker] = None,
 ) -> Generation:
     """Start a generation in the background and return its handle at once.
@@ -82,7 +82,7 @@ def generate(
         system: A system message. Default: ``None``.
         chat: Wrap the prompt in the model's chat template. Default: ``True``.
         stop_budget: Seconds one piece of work may take, i.e. how long a stop
-          or pause may have to wait. Default: ``0.2``.
+          or pause may have to wait. Default: ``0.1``.
         worker: The worker to queue on. Default: :func:`default_worker`.
 
     Raises:
@@ -123,6 +123,7 @@ def unload_ipython_extension(ipython) -> None:
 
 
 __all__ = [
+    "DEFAULT_STOP_BUDGET_S",
     "Cancelled",
     "CancelToken",
     "Generation",

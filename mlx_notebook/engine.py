@@ -27,7 +27,7 @@ from typing import Iterator, List, Optional, Protocol, Union
 
 import mlx.core as mx
 
-from .control import CancelToken
+from .control import DEFAULT_STOP_BUDGET_S, CancelToken
 from .errors import InvalidArgumentError
 from .models import LoadedModel, ModelStore
 from .pieces import prefill_runner
@@ -53,7 +53,7 @@ class GenerationRequest:
         seed: Seed of the sampling key; ``None`` for a random one. Default: ``None``.
         system: System message for the chat template. Default: ``None``.
         chat: Apply the model's chat template. Default: ``True``.
-        stop_budget: Target seconds for one piece of work. Default: ``0.2``.
+        stop_budget: Target seconds for one piece of work. Default: ``DEFAULT_STOP_BUDGET_S`` (0.1).
     """
 
     prompt: Union[str, List[int]]
@@ -64,7 +64,7 @@ class GenerationRequest:
     seed: Optional[int] = None
     system: Optional[str] = None
     chat: bool = True
-    stop_budget: float = 0.2
+    stop_budget: float = DEFAULT_STOP_BUDGET_S
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""

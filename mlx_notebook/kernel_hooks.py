@@ -51,7 +51,7 @@ SignalHandler = Any  # a callable, signal.SIG_IGN, signal.SIG_DFL or None
 
 _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the helper thread
 # Seconds a shutdown waits for the current piece of work: pieces are sized to
-# the stop budget (~0.2 s), and jupyter_client sends SIGTERM after 2.5 s.
+# the stop budget (~0.1 s), and jupyter_client sends SIGTERM after 2.5 s.
 SHUTDOWN_DRAIN_S = 2.0
 
 

@@ -28,6 +28,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 
+from .control import DEFAULT_STOP_BUDGET_S
 from .engine import GenerationRequest
 from .errors import MLXNotebookError
 from .interpolate import interpolate
@@ -66,7 +67,7 @@ class MLXGen(Magics):
     temperature = Float(0.0, help="Sampling temperature; 0 is greedy (-t).").tag(config=True)
     system = Unicode(None, allow_none=True, help="System message (-s).").tag(config=True)
     stop_budget = Float(
-        0.2, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
+        DEFAULT_STOP_BUDGET_S, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
     ).tag(config=True)
     wait = Bool(
         False, help="Block the cell until the generation ends (--wait); else it runs in the background."

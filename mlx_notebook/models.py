@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import gguf
-from .control import CancelToken
+from .control import DEFAULT_STOP_BUDGET_S, CancelToken
 from .errors import ModelFormatError, ModelNotFoundError
 
 DEFAULT_ALIASES = ("default", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
@@ -212,7 +212,7 @@ class ModelStore:
         *,
         token: Optional[CancelToken] = None,
         progress: Optional[ProgressCallback] = None,
-        budget_s: float = 0.2,
+        budget_s: float = DEFAULT_STOP_BUDGET_S,
         on_pause: Optional[Callable[[], None]] = None,
         on_resume: Optional[Callable[[], None]] = None,
     ) -> LoadedModel:
@@ -222,7 +222,7 @@ class ModelStore:
             name: A model name (see :func:`resolve`).
             token: Checked between parameter batches. Default: ``None``.
             progress: Called with ``(bytes_done, bytes_total)``. Default: ``None``.
-            budget_s: Target seconds per parameter batch. Default: ``0.2``.
+            budget_s: Target seconds per parameter batch. Default: ``DEFAULT_STOP_BUDGET_S``.
             on_pause, on_resume: Passed to ``token.checkpoint``. Default: ``None``.
 
         Raises:
@@ -435,7 +435,7 @@ def evaluate_parameters(
     *,
     token: CancelToken,
     progress: Optional[ProgressCallback] = None,
-    budget_s: float = 0.2,
+    budget_s: float = DEFAULT_STOP_BUDGET_S,
     on_pause: Optional[Callable[[], None]] = None,
     on_resume: Optional[Callable[[], None]] = None,
 ) -> int:
@@ -469,7 +469,7 @@ def dequantize_to_float32(
     *,
     token: CancelToken,
     progress: Optional[ProgressCallback] = None,
-    budget_s: float = 0.2,
+    budget_s: float = DEFAULT_STOP_BUDGET_S,
     on_pause: Optional[Callable[[], None]] = None,
     on_resume: Optional[Callable[[], None]] = None,
 ) -> None:
