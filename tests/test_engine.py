@@ -306,3 +306,17 @@ def test_memory_returns_to_baseline_after_stops(worker, tiny_model):
         gen.wait(10)
     after = worker.call(lambda store: mx.get_active_memory())
     assert after <= base * 1.05 + 1_000_000
+
+
+def test_freed_cache_is_returned_once_the_worker_is_idle(worker, tiny_model):
+    """The worker frees a stopped generation's cached buffers once idle, a
+    moment after the stop (so a thread woken by the stop is not kept waiting
+    for the GIL while GBs are returned to the device)."""
+    gen = run(worker, tiny_model, prompt=" ".join(["word"] * 200), max_tokens=100000)
+    while len(gen.tokens) < 3:
+        time.sleep(0.001)
+    gen.cancel()
+    assert gen.wait(10) and gen.state == "stopped"
+    time.sleep(0.3)  # longer than the worker's idle delay
+    # Read from this thread: a worker.call would itself make the worker clean up.
+    assert mx.get_cache_memory() < 1_000_000, mx.get_cache_memory()
