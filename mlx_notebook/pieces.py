@@ -19,7 +19,7 @@ whole-chunk pieces; ``runner.pieces`` says which one is in use.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,12 +99,38 @@ class LayerRunner:
         # being waited on plus those queued), one layer each, fit the budget.
         self.chunk_budget_factor = max(1.0, self.n_layers / (self.max_in_flight + 1))
         self.group = 1
-        self._seconds_per_layer_token: Optional[float] = None
+        # (mean context position, seconds per layer per token) of recent chunks.
+        self._samples: List[Tuple[float, float]] = []
         self._in_flight: List[mx.array] = []
         self._calls = 0
 
+    def _context(self) -> int:
+        return int(getattr(self.cache[0], "offset", 0) or 0)
+
+    def _per_layer_token(self, position: float) -> Optional[float]:
+        """Predicted seconds per layer per token at mean context ``position``.
+
+        Attention makes a token's cost grow with the context before it (at 8k
+        tokens it is most of a small model's cost), so the last chunk's rate
+        underestimates the next: fit ``a + b * position`` over recent chunks.
+        """
+        if not self._samples:
+            return None
+        last = self._samples[-1][1]
+        if len({x for x, _ in self._samples}) < 2:
+            return last
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
+        if slope <= 0:
+            return last
+        # Never below the last measured rate: the context only grows.
+        return max(last, mean_y + slope * (position - mean_x))
+
     def _plan(self, n_tokens: int) -> None:
-        per = self._seconds_per_layer_token
+        per = self._per_layer_token(self._context() + n_tokens / 2)
         if per is None:
             self.group = 1
             return
@@ -125,6 +151,7 @@ class LayerRunner:
 
     def run(self, inputs: mx.array) -> None:
         n_tokens = inputs.shape[-1]
+        position = self._context() + n_tokens / 2
         self._plan(n_tokens)
         original: List[nn.Module] = self.owner.layers
         wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
@@ -144,7 +171,7 @@ class LayerRunner:
             # The forward pass did not iterate the list: nothing to cut.
             self.pieces = "chunks"
             self.chunk_budget_factor = 1.0
-        self._seconds_per_layer_token = elapsed / (n_tokens * self.n_layers)
+        self._samples = (self._samples + [(position, elapsed / (n_tokens * self.n_layers))])[-6:]
 
 
 def _layer_owner(model: nn.Module, n_cache: int) -> Optional[nn.Module]:

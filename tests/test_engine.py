@@ -320,3 +320,28 @@ def test_freed_cache_is_returned_once_the_worker_is_idle(worker, tiny_model):
     time.sleep(0.3)  # longer than the worker's idle delay
     # Read from this thread: a worker.call would itself make the worker clean up.
     assert mx.get_cache_memory() < 1_000_000, mx.get_cache_memory()
+
+
+def test_layer_groups_shrink_as_the_context_grows(tiny_model):
+    """Attention makes each token cost more the longer the context before it:
+    layer groups are planned from a fit over recent chunks, not the last one."""
+    from pathlib import Path
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from mlx_notebook.control import CancelToken
+    from mlx_notebook.pieces import LayerRunner
+
+    model, _ = load_model(Path(tiny_model))
+    cache = make_prompt_cache(model)
+    runner = LayerRunner(model.model, model, cache, CancelToken(), None, None, budget_s=0.1)
+    # Seconds per layer per token measured at mean context positions 100 and 300.
+    runner._samples = [(100.0, 1e-4), (300.0, 2e-4)]
+    assert runner._per_layer_token(500.0) == pytest.approx(3e-4)
+    cache[0].offset = 450  # the next 100-token chunk's mean position: 500
+    runner._plan(100)
+    assert runner.group == int(0.1 / 2 / (3e-4 * 100))  # 1 layer; the last rate alone would give 2
+    # A falling rate (noise) never plans below the last measurement.
+    runner._samples = [(100.0, 2e-4), (300.0, 1e-4)]
+    assert runner._per_layer_token(500.0) == pytest.approx(1e-4)
