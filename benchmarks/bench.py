@@ -101,6 +101,29 @@ def build_synthetic(name: str, folder: Path, context: int) -> str:
     return str(folder)
 
 
+def open_model(model: str, synthetic, context: int, folder: Path):
+    """A worker with the model loaded (built first when ``synthetic`` names a shape), EOS off.
+
+    Returns ``(worker, name, vocab_size, load_s)``.
+    """
+    name = model
+    if synthetic:
+        t0 = time.perf_counter()
+        name = build_synthetic(synthetic, folder / synthetic, context)
+        print(f"built {synthetic} in {time.perf_counter() - t0:.1f} s", flush=True)
+    worker = mlx_notebook.Worker()
+    t0 = time.perf_counter()
+    worker.load_model(name)
+    load_s = time.perf_counter() - t0
+
+    def no_eos(store):
+        store.get(name).tokenizer.eos_token_ids = []
+
+    worker.call(no_eos)
+    vocab = worker.call(lambda store: store.get(name).config.get("vocab_size", 30000))
+    return worker, name, vocab, load_s
+
+
 def prompt_ids(length: int, vocab: int, seed: int = 0) -> list:
     rng = random.Random(seed)
     # Skip the first ids (special tokens in most vocabularies).
@@ -203,22 +226,7 @@ def main() -> None:
     rng = random.Random(0)
 
     tmp = tempfile.TemporaryDirectory(prefix="mlxnb-bench-")
-    name = args.model
-    if args.synthetic:
-        t0 = time.perf_counter()
-        name = build_synthetic(args.synthetic, Path(tmp.name) / args.synthetic, max(lengths))
-        print(f"built {args.synthetic} in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    worker = mlx_notebook.Worker()
-    t0 = time.perf_counter()
-    worker.load_model(name)
-    load_s = time.perf_counter() - t0
-    vocab = worker.call(lambda store: store.get(name).config.get("vocab_size", 30000))
-
-    def no_eos(store):
-        store.get(name).tokenizer.eos_token_ids = []
-
-    worker.call(no_eos)
+    worker, name, vocab, load_s = open_model(args.model, args.synthetic, max(lengths), Path(tmp.name))
     result = {
         "device": str(mx.default_device()),
         "device_info": {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else {},

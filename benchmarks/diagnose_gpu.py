@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (imports mlx_notebook first)
-import mlx_notebook  # noqa: E402
 from mlx_notebook.pieces import LayerRunner  # noqa: E402
 
 
@@ -29,15 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     lengths = [int(x) for x in args.lengths.split(",")]
-    name = bench.build_synthetic(args.synthetic, Path(tmp.name) / "m", max(lengths))
-    worker = mlx_notebook.Worker()
-    worker.load_model(name)
-
-    def no_eos(store):
-        store.get(name).tokenizer.eos_token_ids = []
-
-    worker.call(no_eos)
-    vocab = worker.call(lambda s: s.get(name).config["vocab_size"])
+    worker, name, vocab, _ = bench.open_model("", args.synthetic, max(lengths), Path(tmp.name))
     for length in lengths:
         ids = bench.prompt_ids(length, vocab, seed=length)
         for rep in range(args.repeats):

@@ -30,12 +30,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=mlx_notebook.DEFAULT_STOP_BUDGET_S)
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
-    name = args.model
-    if name == "tiny":
-        name = bench.build_synthetic("tiny", Path(tmp.name) / "m", args.length)
-    worker = mlx_notebook.Worker()
-    worker.load_model(name)
-    vocab = worker.call(lambda store: store.get(name).config["vocab_size"])
+    synthetic = "tiny" if args.model == "tiny" else None
+    worker, name, vocab, _ = bench.open_model(args.model, synthetic, args.length, Path(tmp.name))
     waits = []
     hook = pieces.LayerRunner._hook
 

@@ -103,13 +103,7 @@ def main() -> None:
     _instrument()
     lengths = [int(x) for x in args.lengths.split(",")]
     tmp = tempfile.TemporaryDirectory()
-    name = args.model
-    if args.synthetic:
-        name = bench.build_synthetic(args.synthetic, Path(tmp.name) / "m", max(lengths))
-    worker = mlx_notebook.Worker()
-    worker.load_model(name)
-    worker.call(lambda store: setattr(store.get(name).tokenizer, "eos_token_ids", []))
-    vocab = worker.call(lambda store: store.get(name).config["vocab_size"])
+    worker, name, vocab, _ = bench.open_model(args.model, args.synthetic, max(lengths), Path(tmp.name))
     rng = random.Random(0)
     results = []
     try:

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -348,8 +348,13 @@ def use_cpu_fast_path(model) -> bool:
         return False
     if choice in ("1", "yes", "always", "on"):
         return True
-    fp32_bytes = sum(m.weight.size * (32 // m.bits) * 4 for m in quantized)
+    fp32_bytes = sum(_float32_bytes(m) for m in quantized)
     return blas.openblas_active() and fp32_bytes <= CPU_DEQUANTIZE_MAX_BYTES
+
+
+def _float32_bytes(quantized) -> int:
+    """Bytes of a quantized layer's weight once dequantized to float32."""
+    return quantized.weight.size * (32 // quantized.bits) * 4
 
 
 def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
@@ -392,7 +397,7 @@ class BatchEvaluator:
 
     The batch size adapts to the bytes per second measured on the previous
     batch, so a stop waits for one batch at most; there is a checkpoint after
-    every batch.
+    every batch, and ``progress(done, total)`` with the bytes counted so far.
     """
 
     def __init__(
@@ -401,16 +406,21 @@ class BatchEvaluator:
         budget_s: float,
         on_pause: Optional[Callable[[], None]] = None,
         on_resume: Optional[Callable[[], None]] = None,
+        progress: Optional[ProgressCallback] = None,
+        total: int = 0,
     ) -> None:
         self.token = token
         self.budget_s = budget_s
         self.on_pause = on_pause
         self.on_resume = on_resume
+        self.progress = progress
+        self.total = total
+        self.done = 0
         # Small first batch: its only job is to measure the rate.
         self.batch_bytes = 4 << 20
 
-    def run(self, arrays: List[mx.array], done: Optional[Callable[[int], None]] = None) -> None:
-        """Evaluate ``arrays``; ``done(nbytes)`` follows every batch."""
+    def run(self, arrays: List[mx.array], *, counted: bool = True) -> None:
+        """Evaluate ``arrays``; ``counted``: their bytes count towards progress."""
         i = 0
         while i < len(arrays):
             batch: List[mx.array] = []
@@ -425,8 +435,10 @@ class BatchEvaluator:
             # 0.7: keep a margin under the budget; at most 4x growth per batch.
             target = int(size / elapsed * self.budget_s * 0.7)
             self.batch_bytes = max(1 << 20, min(target, self.batch_bytes * 4))
-            if done is not None:
-                done(size)
+            if counted:
+                self.done += size
+                if self.progress is not None:
+                    self.progress(self.done, self.total)
             self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
 
 
@@ -446,17 +458,9 @@ def evaluate_parameters(
     """
     params = [p for _, p in tree_flatten(model.parameters())]
     total = sum(p.nbytes for p in params)
-    loaded = 0
-
-    def done(nbytes: int) -> None:
-        nonlocal loaded
-        loaded += nbytes
-        if progress is not None:
-            progress(loaded, total)
-
     if progress is not None:
         progress(0, total)
-    BatchEvaluator(token, budget_s, on_pause, on_resume).run(params, done)
+    BatchEvaluator(token, budget_s, on_pause, on_resume, progress, total).run(params)
     return total
 
 
@@ -484,7 +488,6 @@ def dequantize_to_float32(
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
 
-    evaluator = BatchEvaluator(token, budget_s, on_pause, on_resume)
     # Largest first: the first batches are small while the rate is unknown, and
     # the largest weight (the embedding) runs slowest per byte (fresh pages;
     # the smaller ones reuse freed buffers), so a rate learned on the small
@@ -494,19 +497,12 @@ def dequantize_to_float32(
          if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)),
         key=lambda item: -item[1].weight.size,
     )
-    total = sum(m.weight.shape[0] * m.weight.shape[1] * (32 // m.bits) * 4 for _, m in targets)
-    converted = 0
-
-    def done(nbytes: int) -> None:
-        nonlocal converted
-        converted += nbytes
-        if progress is not None:
-            progress(converted, total)
-
+    total = sum(_float32_bytes(m) for _, m in targets)
+    evaluator = BatchEvaluator(token, budget_s, on_pause, on_resume, progress, total)
     replaced = []
     for name, m in targets:
         rows = m.weight.shape[0]
-        row_bytes = m.weight.shape[1] * (32 // m.bits) * 4
+        row_bytes = _float32_bytes(m) // rows
         step = max(1, DEQUANTIZE_BLOCK_BYTES // row_bytes)
         blocks = [
             mx.dequantize(
@@ -516,10 +512,10 @@ def dequantize_to_float32(
             ).astype(mx.float32)
             for r in range(0, rows, step)
         ]
-        evaluator.run(blocks, done)
+        evaluator.run(blocks)
         weight = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)
         del blocks
-        evaluator.run([weight])
+        evaluator.run([weight], counted=False)  # the join: a copy, no new bytes
         if isinstance(m, nn.QuantizedEmbedding):
             layer = nn.Embedding(*weight.shape)
         else:

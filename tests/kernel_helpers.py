@@ -290,3 +290,10 @@ def one_line_usage_error(reply: Reply) -> str:
     assert "Traceback" not in err
     assert not [m for m in reply.outputs if m["msg_type"] == "error"]
     return err
+
+
+def greedy_tokens(kernel: KernelSession, prompt: str, n: int, out: str = "ref") -> List[int]:
+    """Run ``%%mlxgen -n N --wait -o OUT`` on ``prompt`` and return the tokens it made."""
+    reply = kernel.execute(f"%%mlxgen -n {n} --wait -o {out}\n{prompt}", timeout=300)
+    assert reply.ok, reply.content
+    return kernel.eval(f"{out}.tokens")

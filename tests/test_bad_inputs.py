@@ -23,7 +23,7 @@ import pytest
 import gguf_writer as gw
 import test_gguf
 from conftest import needs_default_model
-from kernel_helpers import KernelSession, one_line_usage_error, wait_decoding, wait_state
+from kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
 
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
@@ -155,9 +155,7 @@ def kernel(tiny_model: str):
 
 @pytest.fixture(scope="module")
 def reference(kernel: KernelSession) -> List[int]:
-    reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} --wait -o ref\n{PROMPT}", timeout=300)
-    assert reply.ok, reply.content
-    return kernel.eval("ref.tokens")
+    return greedy_tokens(kernel, PROMPT, REF_TOKENS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -19,6 +19,7 @@ from conftest import has_default_model
 from kernel_helpers import (
     REPO,
     KernelSession,
+    greedy_tokens,
     one_line_usage_error,
     status,
     view,
@@ -58,10 +59,9 @@ def kernel(model_name: str):
 @pytest.fixture(scope="module")
 def reference(kernel: KernelSession) -> List[int]:
     """The uninterrupted greedy tokens of PROMPT."""
-    reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} --wait -o ref\n{PROMPT}", timeout=300)
-    assert reply.ok, reply.content
+    tokens = greedy_tokens(kernel, PROMPT, REF_TOKENS)
     assert kernel.eval("ref.state") == "done"
-    return kernel.eval("ref.tokens")
+    return tokens
 
 
 # -- reading the widget as a frontend sees it ------------------------------------------
