@@ -138,7 +138,13 @@ class KernelSession:
         return Reply(msg_id, reply["content"], self.with_parent(msg_id), seconds)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Wait until the kernel answers on the shell channel (after a restart).
+        """Wait until the kernel answers on the shell channel *and* its IOPub
+        messages reach the collector (after a restart).
+
+        The IOPub subscription to a restarted kernel takes a moment to join
+        (zmq's slow joiner): messages published before that are lost, e.g. the
+        "idle" status :meth:`execute` waits for (seen once in CI: 120 s timeout).
+        So ask for kernel info until its status messages arrive too.
 
         Not ``kc.wait_for_ready()``: it reads IOPub, which the collector owns,
         and a zmq socket must not be read from two threads.
@@ -150,8 +156,10 @@ class KernelSession:
                 while True:
                     msg = self.kc.get_shell_msg(timeout=2.0)
                     if msg["parent_header"].get("msg_id") == msg_id:
-                        return
-            except queue.Empty:
+                        break
+                self.wait_until(lambda: self.with_parent(msg_id), 2.0, "IOPub after kernel_info")
+                return
+            except (queue.Empty, TimeoutError):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the kernel did not answer within {timeout} s") from None
 
