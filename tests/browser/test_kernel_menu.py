@@ -46,7 +46,10 @@ def test_interrupt_kernel_menu_during_wait_cell(lab: Lab) -> None:
     widget = nb.widget(1)
     # The cell blocks, and the text still streams into its widget.
     streaming = widget.wait_for(lambda s: s.state == "decoding" and s.tokens >= 3, what="3 tokens")
-    assert nb.prompt(1) == "[*]:" and nb.kernel_status() == "busy"
+    # The cell still runs. (JupyterLab's kernel indicator is not checked here: the
+    # widget's comm messages run on a subshell, and the indicator follows any
+    # status message, so it can read "idle" while the cell runs — seen once in CI.)
+    assert nb.prompt(1) == "[*]:"
     assert not streaming.stop["disabled"]
 
     nb.menu("Kernel", "Interrupt Kernel")
