@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import gguf
+from . import gguf, weight_blocks
 from .control import DEFAULT_STOP_BUDGET_S, CancelToken
 from .errors import ModelFormatError, ModelNotFoundError
 
@@ -290,6 +290,7 @@ class ModelStore:
         nbytes = evaluate_parameters(
             model, token=token, progress=progress, budget_s=budget_s,
             on_pause=on_pause, on_resume=on_resume,
+            stored=weight_blocks.index_folder(folder) if read_in_blocks(config) else None,
         )
         tokenizer = tokenizer_job.result(token, budget_s, on_pause, on_resume)
         if isinstance(tokenizer, BaseException):
@@ -392,6 +393,11 @@ class _HelperJob:
         return self._result
 
 
+# Small first batch: its only job is to measure the rate.
+FIRST_BATCH_BYTES = 4 << 20
+MIN_BATCH_BYTES = 1 << 20
+
+
 class BatchEvaluator:
     """Evaluates lazy arrays in batches sized so that one batch takes about ``budget_s``.
 
@@ -416,8 +422,7 @@ class BatchEvaluator:
         self.progress = progress
         self.total = total
         self.done = 0
-        # Small first batch: its only job is to measure the rate.
-        self.batch_bytes = 4 << 20
+        self.batch_bytes = FIRST_BATCH_BYTES
 
     def run(self, arrays: List[mx.array], *, counted: bool = True) -> None:
         """Evaluate ``arrays``; ``counted``: their bytes count towards progress."""
@@ -431,15 +436,39 @@ class BatchEvaluator:
                 i += 1
             t0 = time.perf_counter()
             mx.eval(batch)
-            elapsed = max(time.perf_counter() - t0, 1e-4)
-            # 0.7: keep a margin under the budget; at most 4x growth per batch.
-            target = int(size / elapsed * self.budget_s * 0.7)
-            self.batch_bytes = max(1 << 20, min(target, self.batch_bytes * 4))
-            if counted:
-                self.done += size
-                if self.progress is not None:
-                    self.progress(self.done, self.total)
-            self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+            self._measured(size, time.perf_counter() - t0, counted)
+
+    def read_blocks(self, stored: weight_blocks.StoredTensor) -> mx.array:
+        """Read one stored tensor in row blocks of about a batch each, then join them."""
+        rows, row_bytes = stored.shape[0], stored.row_bytes
+        blocks: List[mx.array] = []
+        fd = os.open(stored.path, os.O_RDONLY)
+        try:
+            first = 0
+            while first < rows:
+                count = max(1, min(rows - first, self.batch_bytes // row_bytes))
+                t0 = time.perf_counter()
+                blocks.append(weight_blocks.read_rows(fd, stored, first, count))
+                self._measured(count * row_bytes, time.perf_counter() - t0, counted=True)
+                first += count
+        finally:
+            os.close(fd)
+        joined = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)
+        del blocks
+        self.run([joined], counted=False)  # the join: a device copy, no new bytes
+        return joined
+
+    def _measured(self, size: int, elapsed: float, counted: bool) -> None:
+        """Size the next batch from this one's rate, report progress, checkpoint."""
+        elapsed = max(elapsed, 1e-4)
+        # 0.7: keep a margin under the budget; at most 4x growth per batch.
+        target = int(size / elapsed * self.budget_s * 0.7)
+        self.batch_bytes = max(MIN_BATCH_BYTES, min(target, self.batch_bytes * 4))
+        if counted:
+            self.done += size
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
 
 
 def evaluate_parameters(
@@ -450,18 +479,55 @@ def evaluate_parameters(
     budget_s: float = DEFAULT_STOP_BUDGET_S,
     on_pause: Optional[Callable[[], None]] = None,
     on_resume: Optional[Callable[[], None]] = None,
+    stored: Optional[Dict[str, weight_blocks.StoredTensor]] = None,
 ) -> int:
     """Evaluate a lazily loaded model's parameters in budget-sized batches.
+
+    Args:
+        stored: Where the parameters are in the model's safetensors files
+          (:func:`weight_blocks.index_folder`): a parameter larger than one
+          batch is then read in row blocks instead of in one piece.
+          Default: ``None`` (every parameter in one piece).
 
     Returns:
         The total bytes of parameters.
     """
-    params = [p for _, p in tree_flatten(model.parameters())]
-    total = sum(p.nbytes for p in params)
+    from mlx.utils import tree_unflatten
+
+    named = tree_flatten(model.parameters())
+    total = sum(p.nbytes for _, p in named)
     if progress is not None:
         progress(0, total)
-    BatchEvaluator(token, budget_s, on_pause, on_resume, progress, total).run(params)
+    evaluator = BatchEvaluator(token, budget_s, on_pause, on_resume, progress, total)
+    pending: List[mx.array] = []
+    replaced = []
+    for name, param in named:
+        place = stored.get(name) if stored else None
+        if place is not None and param.nbytes > evaluator.batch_bytes and place.matches(param):
+            evaluator.run(pending)
+            pending = []
+            replaced.append((name, evaluator.read_blocks(place)))
+        else:
+            pending.append(param)
+    evaluator.run(pending)
+    if replaced:
+        model.update(tree_unflatten(replaced))
     return total
+
+
+def read_in_blocks(config: dict) -> bool:
+    """Whether to read large weights in row blocks (:mod:`weight_blocks`).
+
+    ``MLX_NOTEBOOK_BLOCK_LOAD`` is ``auto`` (default: on GPU streams, for model
+    types whose weights are the file's tensors), ``1`` (those model types, any
+    device) or ``0`` (never).
+    """
+    choice = os.environ.get("MLX_NOTEBOOK_BLOCK_LOAD", "auto").strip().lower()
+    if choice in ("0", "no", "never", "off"):
+        return False
+    if config.get("model_type") not in weight_blocks.BLOCK_SAFE_MODEL_TYPES:
+        return False
+    return choice in ("1", "yes", "always", "on") or mx.default_device().type == mx.gpu
 
 
 # Small blocks: the batch evaluator groups them up to its budget.
