@@ -32,7 +32,7 @@ from .errors import InvalidArgumentError
 from .models import LoadedModel, ModelStore
 from .pieces import prefill_runner
 
-MAX_PREFILL_CHUNK = 2048
+MAX_PREFILL_CHUNK = 2048  # a power of two (see ChunkPlanner)
 FIRST_PREFILL_CHUNK = 8
 # A chunk is sized to this share of the budget: per-token cost grows with the
 # prompt position (attention), so the next chunk runs a bit slower than the last.
@@ -339,16 +339,20 @@ class ChunkPlanner:
     of a small chunk predicts tiny chunks forever. Fitting a fixed cost plus a
     per-token cost over the recent chunks lets the size grow to what fits.
 
-    Chunk ends are kept on multiples of the KV cache's allocation step: mlx-lm's
-    ``KVCache`` slices and copies itself whenever a chunk ends mid-step, and
-    the cache laid out that way made later decode steps slower (measured on an
-    H200 at 32k tokens).
+    Chunk sizes are powers of two and a chunk of size ``g`` ends on a multiple
+    of ``g`` (the first one after a smaller size is shortened to get there).
+    Two reasons, both measured on an H200 at 32k tokens: the CUDA backend
+    builds a cuDNN attention graph for every new pair of chunk length and
+    context length (50 ms to 1 s each), so a prompt planned differently from
+    the last run's (a known cost skips the small first chunks) paid those
+    builds inside one piece; aligned chunks put every run of a prompt on the
+    same boundaries. And mlx-lm's ``KVCache`` slices and copies itself when a
+    chunk ends off its 256-token allocation step, which made later decode
+    steps slower; ends of chunks of 256 or more are on that step.
 
     Args:
         cost: A ``(fixed_s, per_token_s)`` from an earlier generation, or ``None``.
     """
-
-    KV_STEP = 256
 
     def __init__(self, cost: Optional[tuple] = None) -> None:
         self.cost = tuple(cost) if cost is not None else None
@@ -386,10 +390,9 @@ class ChunkPlanner:
                 # Not even one token fits: larger chunks cost no more latency
                 # than small ones, so grow for throughput.
                 n = max(n, self._last * 2, FIRST_PREFILL_CHUNK)
-        n = max(1, min(n, MAX_PREFILL_CHUNK, remaining))
-        if n >= self.KV_STEP and n < remaining:
-            n = (done + n) // self.KV_STEP * self.KV_STEP - done
-        return n
+        n = max(1, min(n, MAX_PREFILL_CHUNK))
+        size = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+        return min((done // size + 1) * size - done, remaining)
 
 
 def make_sampler(request: GenerationRequest):

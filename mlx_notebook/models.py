@@ -425,7 +425,15 @@ class BatchEvaluator:
         self.batch_bytes = FIRST_BATCH_BYTES
 
     def run(self, arrays: List[mx.array], *, counted: bool = True) -> None:
-        """Evaluate ``arrays``; ``counted``: their bytes count towards progress."""
+        """Evaluate ``arrays``.
+
+        Args:
+            counted: Their bytes are new bytes of the model: they count towards
+              progress and their rate sizes the next batch. A join of blocks
+              (a copy at memory bandwidth, ~100x a file read's rate on a GPU) is
+              not counted: sizing the next reads from its rate made them run 4x
+              over the budget (measured on an H200).
+        """
         i = 0
         while i < len(arrays):
             batch: List[mx.array] = []
@@ -460,11 +468,11 @@ class BatchEvaluator:
 
     def _measured(self, size: int, elapsed: float, counted: bool) -> None:
         """Size the next batch from this one's rate, report progress, checkpoint."""
-        elapsed = max(elapsed, 1e-4)
-        # 0.7: keep a margin under the budget; at most 4x growth per batch.
-        target = int(size / elapsed * self.budget_s * 0.7)
-        self.batch_bytes = max(MIN_BATCH_BYTES, min(target, self.batch_bytes * 4))
         if counted:
+            elapsed = max(elapsed, 1e-4)
+            # 0.7: keep a margin under the budget; at most 4x growth per batch.
+            target = int(size / elapsed * self.budget_s * 0.7)
+            self.batch_bytes = max(MIN_BATCH_BYTES, min(target, self.batch_bytes * 4))
             self.done += size
             if self.progress is not None:
                 self.progress(self.done, self.total)

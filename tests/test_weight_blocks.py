@@ -116,3 +116,14 @@ def test_a_stored_tensor_only_matches_its_own_shape_and_dtype(tiny_folder: Path)
 
 def _dtype_of(stored: weight_blocks.StoredTensor):
     return {"F32": mx.float32, "BF16": mx.bfloat16}[stored.dtype]
+
+
+def test_a_join_does_not_size_the_next_reads() -> None:
+    # A join is a copy at memory bandwidth; sizing file reads from its rate
+    # made the next blocks run 4x over the budget on an H200.
+    evaluator = models.BatchEvaluator(CancelToken(), budget_s=0.01)
+    before = evaluator.batch_bytes
+    evaluator.run([mx.concatenate([mx.ones((256, 1024)), mx.ones((256, 1024))])], counted=False)
+    assert evaluator.batch_bytes == before and evaluator.done == 0
+    evaluator.run([mx.ones((256, 1024))])
+    assert evaluator.done == 256 * 1024 * 4

@@ -1,0 +1,55 @@
+"""Prefill chunk planning (``engine.ChunkPlanner``): sizes that fit the budget, on repeatable boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_notebook.engine import MAX_PREFILL_CHUNK, ChunkPlanner
+
+
+def plan(planner: ChunkPlanner, tokens: int, target_s: float, fixed_s: float, per_token_s: float):
+    """The chunks ``(start, size)`` for a device whose chunk costs ``fixed + n * per_token``."""
+    chunks, done = [], 0
+    while done < tokens:
+        n = planner.next_chunk(target_s, done, tokens - done)
+        chunks.append((done, n))
+        planner.observe(n, fixed_s + n * per_token_s)
+        done += n
+    return chunks
+
+
+@pytest.mark.parametrize("target_s", [0.007, 0.05, 0.4])
+def test_a_known_cost_and_a_fresh_start_share_their_chunk_boundaries(target_s: float) -> None:
+    # An accelerator: a fixed cost per chunk and a small one per token. The
+    # CUDA backend builds an attention graph per (chunk, context) pair, so a
+    # second run of a prompt must reuse the first run's pairs.
+    cost = dict(fixed_s=0.002, per_token_s=1e-5)
+    tokens = 32767
+    fresh = plan(ChunkPlanner(), tokens, target_s, **cost)
+    warm = plan(ChunkPlanner((cost["fixed_s"], cost["per_token_s"])), tokens, target_s, **cost)
+    assert fresh[0][1] < warm[0][1], "a fresh planner starts small to measure"
+    largest = max(n for _, n in warm)
+    fresh_after = [c for c in fresh if c[0] >= largest]
+    warm_after = [c for c in warm if c[0] >= largest]
+    assert fresh_after == warm_after and len(warm_after) > 3
+
+
+def test_sizes_are_powers_of_two_on_their_own_boundaries() -> None:
+    chunks = plan(ChunkPlanner(), 20000, 0.03, fixed_s=0.001, per_token_s=3e-5)
+    assert chunks[-1][0] + chunks[-1][1] == 20000
+    for start, n in chunks[:-1]:
+        size = 1 << (n.bit_length() - 1)
+        # Either a whole aligned power of two, or the part that reaches the next boundary.
+        assert (start + n) % size == 0 and (n == size or start % size != 0), (start, n)
+        assert n <= MAX_PREFILL_CHUNK
+        if n >= 256:
+            assert (start + n) % 256 == 0, (start, n)
+    # The budget still sets the size: 0.03 s fits ~970 tokens, so 512-token chunks.
+    assert max(n for _, n in chunks) == 512
+
+
+def test_a_slow_device_gets_small_chunks_and_no_token_is_skipped() -> None:
+    chunks = plan(ChunkPlanner(), 300, 0.07, fixed_s=0.0, per_token_s=0.006)
+    assert sum(n for _, n in chunks) == 300
+    assert [s for s, _ in chunks] == sorted(s for s, _ in chunks)
+    assert max(n for _, n in chunks) == 8  # 0.07 s / 6 ms = 11 tokens -> 8
