@@ -311,7 +311,10 @@ def prefill(
     ids = mx.array(prompt, dtype=mx.uint32)
     runner = prefill_runner(loaded, cache, token, pause.on_pause, pause.on_resume, budget)
     sink.stats.prefill_pieces = runner.pieces
-    planner = ChunkPlanner(loaded.extras.get("prefill_cost"))
+    shapes = None
+    if _builds_kernels_per_shape():
+        shapes = loaded.extras.setdefault("prefill_shapes_seen", set())
+    planner = ChunkPlanner(loaded.extras.get("prefill_cost"), shapes)
     done = 0
     sink.progress("prefill", 0, total)
     while done < to_process:
@@ -319,7 +322,7 @@ def prefill(
         n = planner.next_chunk(target, done, to_process - done)
         t0 = time.perf_counter()
         runner.run(ids[None, done : done + n])
-        planner.observe(n, time.perf_counter() - t0)
+        planner.observe(n, time.perf_counter() - t0, start=done)
         sink.stats.prefill_pieces = runner.pieces
         done += n
         sink.stats.prefill_chunks += 1
@@ -329,6 +332,12 @@ def prefill(
     if planner.cost is not None:
         loaded.extras["prefill_cost"] = planner.cost
         loaded.prefill_s_per_token = planner.cost[1]
+
+
+def _builds_kernels_per_shape() -> bool:
+    """Whether the device builds attention kernels per input shape (the CUDA backend's cuDNN graphs)."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
 class ChunkPlanner:
@@ -350,18 +359,36 @@ class ChunkPlanner:
     chunk ends off its 256-token allocation step, which made later decode
     steps slower; ends of chunks of 256 or more are on that step.
 
+    A chunk of a shape the device has not run before may include such a
+    build: its time says nothing about the cost model, and learning from it
+    shrank the next chunks to new shapes again, each with its own build
+    (a 512-token prefill ran at 0.09x plain mlx-lm on an H200). With
+    ``shapes_seen``, such a chunk is not learned from when it ran over twice
+    the prediction (or nothing predicts yet), and the next chunk grows as if
+    it had fit.
+
     Args:
         cost: A ``(fixed_s, per_token_s)`` from an earlier generation, or ``None``.
+        shapes_seen: ``(start, size)`` pairs run before with this model, updated
+          here; ``None`` where shapes cost nothing new (no first-use rule).
     """
 
-    def __init__(self, cost: Optional[tuple] = None) -> None:
+    def __init__(self, cost: Optional[tuple] = None, shapes_seen: Optional[set] = None) -> None:
         self.cost = tuple(cost) if cost is not None else None
+        self.shapes_seen = shapes_seen
         self._samples: List[tuple] = []
         self._last = 0
+        self._grow_blind = False
 
-    def observe(self, n: int, seconds: float) -> None:
-        """Record that a chunk of ``n`` tokens took ``seconds``."""
+    def observe(self, n: int, seconds: float, start: int = 0) -> None:
+        """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``."""
         self._last = n
+        if self.shapes_seen is not None and (start, n) not in self.shapes_seen:
+            self.shapes_seen.add((start, n))
+            if self.cost is None or seconds > 2 * (self.cost[0] + n * self.cost[1]):
+                self._grow_blind = True
+                return
+        self._grow_blind = False
         self._samples = (self._samples + [(n, seconds)])[-6:]
         sizes = {m for m, _ in self._samples}
         if len(sizes) < 2:
@@ -378,7 +405,9 @@ class ChunkPlanner:
 
     def next_chunk(self, target_s: float, done: int, remaining: int) -> int:
         """The next chunk size for a piece budget of ``target_s`` seconds."""
-        if self.cost is None:
+        if self._grow_blind:
+            n = self._last * 4
+        elif self.cost is None:
             n = FIRST_PREFILL_CHUNK
         else:
             fixed, per_token = self.cost

@@ -53,3 +53,47 @@ def test_a_slow_device_gets_small_chunks_and_no_token_is_skipped() -> None:
     assert sum(n for _, n in chunks) == 300
     assert [s for s, _ in chunks] == sorted(s for s, _ in chunks)
     assert max(n for _, n in chunks) == 8  # 0.07 s / 6 ms = 11 tokens -> 8
+
+
+def run_prompt(cost, shapes, tokens: int, target_s: float, device):
+    planner = ChunkPlanner(cost, shapes)
+    chunks, done = [], 0
+    while done < tokens:
+        n = planner.next_chunk(target_s, done, tokens - done)
+        planner.observe(n, device(done, n), start=done)
+        chunks.append((done, n))
+        done += n
+    return planner.cost, chunks
+
+
+def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
+    # Like the CUDA backend: a new (start, size) pair first builds a graph (0.3 s here).
+    built = set()
+
+    def device(start: int, n: int) -> float:
+        new = (start, n) not in built
+        built.add((start, n))
+        return 0.004 + n * 2e-6 + (0.3 if new else 0.0)
+
+    shapes, cost, runs = set(), None, []
+    for _ in range(4):
+        cost, chunks = run_prompt(cost, shapes, 511, 0.112, device)
+        runs.append(chunks)
+    assert all(len(chunks) <= 6 for chunks in runs), runs
+    # From the second run on, every chunk is a shape built before: no build inside a piece.
+    builds_after_first = {c for chunks in runs[1:] for c in chunks} - set(runs[0])
+    assert len(builds_after_first) <= 1, builds_after_first
+    assert runs[-1] == runs[-2]
+
+
+def test_without_the_first_use_rule_builds_feed_the_cost_model() -> None:
+    # The same device without shapes_seen: the rule above is what keeps chunks large.
+    built = set()
+
+    def device(start: int, n: int) -> float:
+        new = (start, n) not in built
+        built.add((start, n))
+        return 0.004 + n * 2e-6 + (0.3 if new else 0.0)
+
+    _, chunks = run_prompt(None, None, 511, 0.112, device)
+    assert len(chunks) > 10, chunks
