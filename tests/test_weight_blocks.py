@@ -14,8 +14,11 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+import mlx_notebook
+from conftest import needs_default_model
 from mlx_notebook import models, weight_blocks
 from mlx_notebook.control import Cancelled, CancelToken
+from test_default_model import QUESTION
 from tiny_model import make_tiny_model
 
 
@@ -127,3 +130,26 @@ def test_a_join_does_not_size_the_next_reads() -> None:
     assert evaluator.batch_bytes == before and evaluator.done == 0
     evaluator.run([mx.ones((256, 1024))])
     assert evaluator.done == 256 * 1024 * 4
+
+
+@needs_default_model
+def test_the_default_model_read_in_blocks_gives_the_same_tokens(small_batches, monkeypatch) -> None:
+    # Kept 4-bit (as on an Apple GPU, where the block path is on by default):
+    # packed uint32 weights, scales and biases, each split along its rows.
+    monkeypatch.setenv("MLX_NOTEBOOK_CPU_DEQUANTIZE", "0")
+    reads = count_reads(monkeypatch)
+    tokens = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("MLX_NOTEBOOK_BLOCK_LOAD", mode)
+        worker = mlx_notebook.Worker()
+        try:
+            worker.load_model()
+            gen = mlx_notebook.generate(QUESTION, max_tokens=12, worker=worker)
+            gen.result(timeout=300)
+            tokens[mode] = gen.tokens
+        finally:
+            assert worker.shutdown(timeout=60)
+        if mode == "1":
+            # Read in blocks: some tensors in several (a block starting past row 0).
+            assert len(reads) >= 3 and any(first > 0 for _, first, _ in reads), reads
+    assert tokens["1"] == tokens["0"] and len(tokens["1"]) >= 5, tokens
