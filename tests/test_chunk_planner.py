@@ -97,3 +97,19 @@ def test_without_the_first_use_rule_builds_feed_the_cost_model() -> None:
 
     _, chunks = run_prompt(None, None, 511, 0.112, device)
     assert len(chunks) > 10, chunks
+
+
+def test_a_plan_that_wobbles_up_reuses_the_shapes_already_built() -> None:
+    # A run planned 1024-token chunks; the next run's carried cost allows 2048
+    # (e.g. measured on a shorter prompt). On CUDA each new (start, size) pair
+    # builds a graph inside a piece, so the known smaller shapes are reused.
+    shapes: set = set()
+    # 0.112 s fits ~1100 tokens: 1024-token chunks.
+    _, first = run_prompt((0.002, 1e-4), shapes, 8191, 0.112, lambda s, n: 0.002 + n * 1e-4)
+    assert max(n for _, n in first) == 1024
+    fast = (0.002, 4e-5)                           # fits ~2750 tokens -> 2048 planned
+    _, second = run_prompt(fast, shapes, 8191, 0.112, lambda s, n: 0.002 + n * 4e-5)
+    assert set(second) <= set(first), set(second) - set(first)
+    # Without the seen shapes the same cost plans 2048-token chunks: all new shapes.
+    _, fresh = run_prompt(fast, set(), 8191, 0.112, lambda s, n: 0.002 + n * 4e-5)
+    assert max(n for _, n in fresh) == 2048
