@@ -334,6 +334,9 @@ def prefill(
         loaded.prefill_s_per_token = planner.cost[1]
 
 
+KV_STEP = 256  # mlx-lm's KVCache.step
+
+
 def _builds_kernels_per_shape() -> bool:
     """Whether the device builds attention kernels per input shape (the CUDA backend's cuDNN graphs)."""
     cuda = getattr(mx, "cuda", None)
@@ -348,16 +351,17 @@ class ChunkPlanner:
     of a small chunk predicts tiny chunks forever. Fitting a fixed cost plus a
     per-token cost over the recent chunks lets the size grow to what fits.
 
-    Chunk sizes are powers of two and a chunk of size ``g`` ends on a multiple
-    of ``g`` (the first one after a smaller size is shortened to get there).
-    Two reasons, both measured on an H200 at 32k tokens: the CUDA backend
-    builds a cuDNN attention graph for every new pair of chunk length and
-    context length (50 ms to 1 s each), so a prompt planned differently from
-    the last run's (a known cost skips the small first chunks) paid those
-    builds inside one piece; aligned chunks put every run of a prompt on the
-    same boundaries. And mlx-lm's ``KVCache`` slices and copies itself when a
-    chunk ends off its 256-token allocation step, which made later decode
-    steps slower; ends of chunks of 256 or more are on that step.
+    Chunks of 256 tokens or more end on multiples of mlx-lm's ``KVCache``
+    allocation step: the cache slices and copies itself when a chunk ends off
+    it, which made later decode steps slower (an H200 at 32k tokens).
+
+    On devices that build kernels per shape (``shapes_seen`` given: the CUDA
+    backend builds a cuDNN attention graph for every new pair of chunk length
+    and context length, 50 ms to 1 s each) chunk sizes are powers of two and
+    a chunk of size ``g`` ends on a multiple of ``g`` (the first one after a
+    smaller size is shortened to get there), so runs of a prompt share their
+    boundaries: a prompt planned differently from the last run's (a known
+    cost skips the small first chunks) paid those builds inside one piece.
 
     A chunk of a shape the device has not run before may include such a
     build: its time says nothing about the cost model, and learning from it
@@ -421,9 +425,16 @@ class ChunkPlanner:
                 # than small ones, so grow for throughput.
                 n = max(n, self._last * 2, FIRST_PREFILL_CHUNK)
         n = max(1, min(n, MAX_PREFILL_CHUNK))
+        if self.shapes_seen is None:
+            # Shapes cost nothing new here: any size (rounding down to powers of
+            # two doubled the chunk count at 4k-8k tokens on a 2-core CPU and
+            # cost 40% of prefill speed at 8k); big chunks end on the KV step.
+            n = min(n, remaining)
+            if KV_STEP <= n < remaining:
+                n = (done + n) // KV_STEP * KV_STEP - done
+            return n
         size = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-        if self.shapes_seen:
-            size = self._seen_size(size, done, remaining)
+        size = self._seen_size(size, done, remaining)
         return _aligned(size, done, remaining)
 
     def _seen_size(self, size: int, done: int, remaining: int) -> int:

@@ -18,41 +18,44 @@ def plan(planner: ChunkPlanner, tokens: int, target_s: float, fixed_s: float, pe
     return chunks
 
 
-@pytest.mark.parametrize("target_s", [0.007, 0.05, 0.4])
-def test_a_known_cost_and_a_fresh_start_share_their_chunk_boundaries(target_s: float) -> None:
-    # An accelerator: a fixed cost per chunk and a small one per token. The
-    # CUDA backend builds an attention graph per (chunk, context) pair, so a
-    # second run of a prompt must reuse the first run's pairs.
+def test_a_known_cost_and_a_fresh_start_share_their_chunk_boundaries() -> None:
+    # An accelerator that builds kernels per shape: a second run of a prompt
+    # must reuse the first run's (start, size) pairs after its first chunk.
     cost = dict(fixed_s=0.002, per_token_s=1e-5)
-    tokens = 32767
-    fresh = plan(ChunkPlanner(), tokens, target_s, **cost)
-    warm = plan(ChunkPlanner((cost["fixed_s"], cost["per_token_s"])), tokens, target_s, **cost)
-    assert fresh[0][1] < warm[0][1], "a fresh planner starts small to measure"
-    largest = max(n for _, n in warm)
-    fresh_after = [c for c in fresh if c[0] >= largest]
-    warm_after = [c for c in warm if c[0] >= largest]
-    assert fresh_after == warm_after and len(warm_after) > 3
+    shapes: set = set()
+    fresh = plan(ChunkPlanner(None, shapes), 32767, 0.4, **cost)
+    warm = plan(ChunkPlanner((cost["fixed_s"], cost["per_token_s"]), shapes), 32767, 0.4, **cost)
+    assert fresh[0][1] < warm[0][1] == MAX_PREFILL_CHUNK, "a fresh planner starts small to measure"
+    assert [c for c in fresh if c[0] >= MAX_PREFILL_CHUNK] == warm[1:]
+    # Without the per-shape rules (a CPU) the same plans do not line up.
+    fresh_cpu = plan(ChunkPlanner(), 32767, 0.4, **cost)
+    assert not set(fresh_cpu) & set(warm[1:])
 
 
 def test_sizes_are_powers_of_two_on_their_own_boundaries() -> None:
-    chunks = plan(ChunkPlanner(), 20000, 0.03, fixed_s=0.001, per_token_s=3e-5)
+    chunks = plan(ChunkPlanner((0.001, 3e-5), set()), 20000, 0.03, fixed_s=0.001, per_token_s=3e-5)
     assert chunks[-1][0] + chunks[-1][1] == 20000
     for start, n in chunks[:-1]:
         size = 1 << (n.bit_length() - 1)
         # Either a whole aligned power of two, or the part that reaches the next boundary.
         assert (start + n) % size == 0 and (n == size or start % size != 0), (start, n)
         assert n <= MAX_PREFILL_CHUNK
-        if n >= 256:
-            assert (start + n) % 256 == 0, (start, n)
     # The budget still sets the size: 0.03 s fits ~970 tokens, so 512-token chunks.
     assert max(n for _, n in chunks) == 512
+
+
+def test_without_per_shape_builds_sizes_follow_the_budget_and_big_chunks_the_kv_step() -> None:
+    chunks = plan(ChunkPlanner((0.001, 3e-5)), 20000, 0.03, fixed_s=0.001, per_token_s=3e-5)
+    assert sum(n for _, n in chunks) == 20000
+    sizes = [n for _, n in chunks[:-1]]
+    assert max(sizes) == 768 and all((s + n) % 256 == 0 for s, n in chunks[:-1]), chunks[:4]
 
 
 def test_a_slow_device_gets_small_chunks_and_no_token_is_skipped() -> None:
     chunks = plan(ChunkPlanner(), 300, 0.07, fixed_s=0.0, per_token_s=0.006)
     assert sum(n for _, n in chunks) == 300
     assert [s for s, _ in chunks] == sorted(s for s, _ in chunks)
-    assert max(n for _, n in chunks) == 8  # 0.07 s / 6 ms = 11 tokens -> 8
+    assert max(n for _, n in chunks) == 11  # 0.07 s / 6 ms
 
 
 def run_prompt(cost, shapes, tokens: int, target_s: float, device):
@@ -86,8 +89,8 @@ def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
     assert runs[-1] == runs[-2]
 
 
-def test_without_the_first_use_rule_builds_feed_the_cost_model() -> None:
-    # The same device without shapes_seen: the rule above is what keeps chunks large.
+def test_without_the_per_shape_rules_every_run_builds_new_shapes() -> None:
+    # The same device planned as on a CPU: the rules above are what stop the builds.
     built = set()
 
     def device(start: int, n: int) -> float:
@@ -95,8 +98,12 @@ def test_without_the_first_use_rule_builds_feed_the_cost_model() -> None:
         built.add((start, n))
         return 0.004 + n * 2e-6 + (0.3 if new else 0.0)
 
-    _, chunks = run_prompt(None, None, 511, 0.112, device)
-    assert len(chunks) > 10, chunks
+    cost, runs = None, []
+    for _ in range(4):
+        cost, chunks = run_prompt(cost, None, 511, 0.112, device)
+        runs.append(chunks)
+    builds_after_first = {c for chunks in runs[1:] for c in chunks} - set(runs[0])
+    assert len(builds_after_first) > 3, runs
 
 
 def test_a_plan_that_wobbles_up_reuses_the_shapes_already_built() -> None:
