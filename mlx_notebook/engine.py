@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from .control import DEFAULT_STOP_BUDGET_S, CancelToken
 from .errors import InvalidArgumentError
+from .fit import linear_fit
 from .models import LoadedModel, ModelStore
 from .pieces import prefill_runner
 
@@ -385,7 +386,7 @@ class ChunkPlanner:
         self._last = 0
         self._grow_blind = False
 
-    def observe(self, n: int, seconds: float, start: int = 0) -> None:
+    def observe(self, n: int, seconds: float, *, start: int) -> None:
         """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``."""
         self._last = n
         if self.shapes_seen is not None and (start, n) not in self.shapes_seen:
@@ -395,18 +396,12 @@ class ChunkPlanner:
                 return
         self._grow_blind = False
         self._samples = (self._samples + [(n, seconds)])[-6:]
-        sizes = {m for m, _ in self._samples}
-        if len(sizes) < 2:
+        line = linear_fit(self._samples)
+        if line is None or line[1] <= 0:
             self.cost = (0.0, seconds / n)
             return
-        mean_n = sum(m for m, _ in self._samples) / len(self._samples)
-        mean_t = sum(t for _, t in self._samples) / len(self._samples)
-        var = sum((m - mean_n) ** 2 for m, _ in self._samples)
-        per_token = sum((m - mean_n) * (t - mean_t) for m, t in self._samples) / var
-        if per_token <= 0:
-            self.cost = (0.0, seconds / n)
-            return
-        self.cost = (max(0.0, mean_t - per_token * mean_n), per_token)
+        fixed, per_token = line
+        self.cost = (max(0.0, fixed), per_token)
 
     def next_chunk(self, target_s: float, done: int, remaining: int) -> int:
         """The next chunk size for a piece budget of ``target_s`` seconds."""

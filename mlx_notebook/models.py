@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from . import gguf, weight_blocks
 from .control import DEFAULT_STOP_BUDGET_S, CancelToken
@@ -341,13 +341,13 @@ def use_cpu_fast_path(model) -> bool:
     """
     from . import blas
 
-    choice = os.environ.get("MLX_NOTEBOOK_CPU_DEQUANTIZE", "auto").strip().lower()
-    if choice in ("0", "no", "never", "off") or mx.default_device().type != mx.cpu:
+    choice = _env_switch("MLX_NOTEBOOK_CPU_DEQUANTIZE")
+    if choice == "off" or mx.default_device().type != mx.cpu:
         return False
     quantized = [m for _, m in model.named_modules() if hasattr(m, "scales") and hasattr(m, "bits")]
     if not quantized:
         return False
-    if choice in ("1", "yes", "always", "on"):
+    if choice == "on":
         return True
     fp32_bytes = sum(_float32_bytes(m) for m in quantized)
     return blas.openblas_active() and fp32_bytes <= CPU_DEQUANTIZE_MAX_BYTES
@@ -500,8 +500,6 @@ def evaluate_parameters(
     Returns:
         The total bytes of parameters.
     """
-    from mlx.utils import tree_unflatten
-
     named = tree_flatten(model.parameters())
     total = sum(p.nbytes for _, p in named)
     if progress is not None:
@@ -530,12 +528,20 @@ def read_in_blocks(config: dict) -> bool:
     types whose weights are the file's tensors), ``1`` (those model types, any
     device) or ``0`` (never).
     """
-    choice = os.environ.get("MLX_NOTEBOOK_BLOCK_LOAD", "auto").strip().lower()
-    if choice in ("0", "no", "never", "off"):
+    choice = _env_switch("MLX_NOTEBOOK_BLOCK_LOAD")
+    if choice == "off" or config.get("model_type") not in weight_blocks.BLOCK_SAFE_MODEL_TYPES:
         return False
-    if config.get("model_type") not in weight_blocks.BLOCK_SAFE_MODEL_TYPES:
-        return False
-    return choice in ("1", "yes", "always", "on") or mx.default_device().type == mx.gpu
+    return choice == "on" or mx.default_device().type == mx.gpu
+
+
+def _env_switch(name: str) -> str:
+    """An ``auto`` / ``1`` / ``0`` environment switch as ``"auto"``, ``"on"`` or ``"off"``."""
+    value = os.environ.get(name, "auto").strip().lower()
+    if value in ("0", "no", "never", "off"):
+        return "off"
+    if value in ("1", "yes", "always", "on"):
+        return "on"
+    return "auto"
 
 
 # Small blocks: the batch evaluator groups them up to its budget.
@@ -560,7 +566,6 @@ def dequantize_to_float32(
     then joined (one copy).
     """
     import mlx.nn as nn
-    from mlx.utils import tree_unflatten
 
     # Largest first: the first batches are small while the rate is unknown, and
     # the largest weight (the embedding) runs slowest per byte (fresh pages;

@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .control import CancelToken
+from .fit import linear_fit
 
 
 class ChunkRunner:
@@ -117,17 +118,12 @@ class LayerRunner:
         if not self._samples:
             return None
         last = self._samples[-1][1]
-        if len({x for x, _ in self._samples}) < 2:
+        line = linear_fit(self._samples)
+        if line is None or line[1] <= 0:
             return last
-        n = len(self._samples)
-        mean_x = sum(x for x, _ in self._samples) / n
-        mean_y = sum(y for _, y in self._samples) / n
-        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
-        if slope <= 0:
-            return last
+        intercept, slope = line
         # Never below the last measured rate: the context only grows.
-        return max(last, mean_y + slope * (position - mean_x))
+        return max(last, intercept + slope * position)
 
     def _plan(self, n_tokens: int) -> None:
         per = self._per_layer_token(self._context() + n_tokens / 2)

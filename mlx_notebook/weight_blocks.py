@@ -2,11 +2,11 @@
 
 MLX loads a safetensors tensor lazily as one ``Load``: evaluating it reads
 the whole tensor (and, on CUDA, copies it to the device) in one go. A 1 GB
-embedding is then ~90 ms that a stop has to wait for on an H200. Here a
+embedding is then 90-340 ms that a stop has to wait for on an H200. Here a
 large tensor is read instead as blocks of rows, each an eager ``mx.load`` of
 a one-tensor "file" that is a window onto the real file (MLX reads straight
 into its own buffer, no extra copy), and the blocks are joined on the device
-(a copy at device bandwidth, ~1 ms per GB on an H200).
+(a copy at device bandwidth, ~2 ms per GB on an H200).
 
 Only used on GPU streams: on MLX's CPU backend the join costs more than the
 read it splits up (measured on a 2-core x86 CPU: a 128 MB tensor reads in

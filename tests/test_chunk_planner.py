@@ -7,15 +7,20 @@ import pytest
 from mlx_notebook.engine import MAX_PREFILL_CHUNK, ChunkPlanner
 
 
-def plan(planner: ChunkPlanner, tokens: int, target_s: float, fixed_s: float, per_token_s: float):
-    """The chunks ``(start, size)`` for a device whose chunk costs ``fixed + n * per_token``."""
+def simulate(planner: ChunkPlanner, tokens: int, target_s: float, device):
+    """The chunks ``(start, size)`` planned for a device whose chunk from ``start`` costs ``device(start, n)``."""
     chunks, done = [], 0
     while done < tokens:
         n = planner.next_chunk(target_s, done, tokens - done)
+        planner.observe(n, device(done, n), start=done)
         chunks.append((done, n))
-        planner.observe(n, fixed_s + n * per_token_s)
         done += n
     return chunks
+
+
+def plan(planner: ChunkPlanner, tokens: int, target_s: float, fixed_s: float, per_token_s: float):
+    """The chunks for a device whose chunk costs ``fixed + n * per_token``."""
+    return simulate(planner, tokens, target_s, lambda start, n: fixed_s + n * per_token_s)
 
 
 def test_a_known_cost_and_a_fresh_start_share_their_chunk_boundaries() -> None:
@@ -59,18 +64,14 @@ def test_a_slow_device_gets_small_chunks_and_no_token_is_skipped() -> None:
 
 
 def run_prompt(cost, shapes, tokens: int, target_s: float, device):
+    """One generation's prefill: the planner's cost to carry to the next one, and its chunks."""
     planner = ChunkPlanner(cost, shapes)
-    chunks, done = [], 0
-    while done < tokens:
-        n = planner.next_chunk(target_s, done, tokens - done)
-        planner.observe(n, device(done, n), start=done)
-        chunks.append((done, n))
-        done += n
+    chunks = simulate(planner, tokens, target_s, device)
     return planner.cost, chunks
 
 
-def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
-    # Like the CUDA backend: a new (start, size) pair first builds a graph (0.3 s here).
+def building_device():
+    """Like the CUDA backend: a chunk of a new (start, size) pair first builds a graph (0.3 s here)."""
     built = set()
 
     def device(start: int, n: int) -> float:
@@ -78,6 +79,11 @@ def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
         built.add((start, n))
         return 0.004 + n * 2e-6 + (0.3 if new else 0.0)
 
+    return device
+
+
+def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
+    device = building_device()
     shapes, cost, runs = set(), None, []
     for _ in range(4):
         cost, chunks = run_prompt(cost, shapes, 511, 0.112, device)
@@ -91,13 +97,7 @@ def test_first_use_builds_do_not_shrink_the_chunks_into_more_builds() -> None:
 
 def test_without_the_per_shape_rules_every_run_builds_new_shapes() -> None:
     # The same device planned as on a CPU: the rules above are what stop the builds.
-    built = set()
-
-    def device(start: int, n: int) -> float:
-        new = (start, n) not in built
-        built.add((start, n))
-        return 0.004 + n * 2e-6 + (0.3 if new else 0.0)
-
+    device = building_device()
     cost, runs = None, []
     for _ in range(4):
         cost, chunks = run_prompt(cost, None, 511, 0.112, device)
