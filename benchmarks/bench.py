@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/bench.py --model default --out benchmarks/results/cpu.json
-    python benchmarks/bench.py --synthetic llama3-8b --lengths 512,8192,32768 \
+    python -m benchmarks.bench --model default --out benchmarks/results/cpu.json
+    python -m benchmarks.bench --synthetic llama3-8b --lengths 512,8192,32768 \
         --out benchmarks/results/h200.json          # on an NVIDIA machine
 
 What it measures, per prompt length:
@@ -31,8 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import mlx_notebook  # noqa: E402  (first: binds MLX to OpenBLAS when present)
 import mlx.core as mx  # noqa: E402
@@ -72,7 +70,7 @@ def build_synthetic(name: str, folder: Path, context: int) -> str:
 
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
-    from tiny_model import make_tiny_model
+    from testkit.tiny_model import make_tiny_model
 
     shape = SYNTHETIC[name]
     make_tiny_model(folder, layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64, vocab=384)
@@ -147,7 +145,7 @@ def plain_mlx_lm(worker, name, ids, max_tokens, prefill_step_size=2048):
 
 
 def ours(worker, name, ids, max_tokens, budget, pieces):
-    worker.call(lambda store: store.get(name).extras.__setitem__("prefill_pieces", pieces))
+    worker.call(lambda store: setattr(store.get(name), "layer_pieces", pieces == "layers"))
     gen = mlx_notebook.generate(ids, model=name, max_tokens=max_tokens, stop_budget=budget, worker=worker)
     gen.result()
     s = gen.stats
@@ -183,7 +181,7 @@ def stop_once(worker, name, ids, args, phase, window_s, rng, pieces):
     if phase == "load":
         worker.call(lambda store: store.unload(name))
     else:
-        worker.call(lambda store: store.get(name).extras.__setitem__("prefill_pieces", pieces))
+        worker.call(lambda store: setattr(store.get(name), "layer_pieces", pieces == "layers"))
     gen = mlx_notebook.generate(
         ids, model=name, max_tokens=100000 if phase == "decode" else 2, stop_budget=args.budget, worker=worker
     )

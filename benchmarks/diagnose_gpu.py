@@ -1,6 +1,6 @@
 """Where does time go? Prefill and decode of variants on one synthetic model.
 
-    python benchmarks/diagnose_gpu.py --synthetic llama3-8b --lengths 8192,32768
+    python -m benchmarks.diagnose_gpu --synthetic llama3-8b --lengths 8192,32768
 
 Variants: plain mlx-lm; ours with layer pieces and with whole-chunk pieces, at
 two budgets. Each prints prefill and decode tokens/s.
@@ -14,9 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (imports mlx_notebook first)
-from mlx_notebook.pieces import LayerRunner  # noqa: E402
+from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
+from mlx_notebook.generation.pieces import LayerRunner  # noqa: E402
 
 
 def main() -> None:

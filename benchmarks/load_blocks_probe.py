@@ -2,11 +2,11 @@
 
 Compares, for one large bf16 tensor: MLX's own lazy Load evaluated whole; row
 blocks read with numpy then copied into MLX arrays; row blocks read by MLX from
-a file-like window (``mlx_notebook.weight_blocks``, what loading uses); and the
+a file-like window (``mlx_notebook.loading.weight_blocks``, what loading uses); and the
 assembly of the blocks (a join, or in-place updates of a zero tensor) plus a
 first matmul on the result.
 
-    python3 benchmarks/load_blocks_probe.py --rows 128256 --cols 4096 --block-mb 32
+    python3 -m benchmarks.load_blocks_probe --rows 128256 --cols 4096 --block-mb 32
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mlx_notebook import weight_blocks  # noqa: E402  (first: binds MLX to OpenBLAS when present)
+from mlx_notebook.loading import weight_blocks  # noqa: E402  (first: binds MLX to OpenBLAS when present)
 import mlx.core as mx  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Longest wait between load-progress events of the default model: what a stop during load can wait for.
 
-    python benchmarks/load_gaps.py --loads 3 --budget 0.2
+    python -m benchmarks.load_gaps --loads 3 --budget 0.2
 
 Loads the default model ``--loads`` times on one worker (unloading in between) and
 prints, per load, its duration and the four longest gaps between the listener's

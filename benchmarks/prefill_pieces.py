@@ -1,6 +1,6 @@
 """How long does each prefill piece run against its target? The stop waits for one.
 
-    python benchmarks/prefill_pieces.py --model default --length 4000 --budget 0.1
+    python -m benchmarks.prefill_pieces --model default --length 4000 --budget 0.1
 
 Runs one generation's prefill with layer-granular pieces and times every wait
 of the worker on a layer group (what a stop lands behind), against the group
@@ -17,10 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (imports mlx_notebook first)
+from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
 import mlx_notebook  # noqa: E402
-from mlx_notebook import pieces  # noqa: E402
+from mlx_notebook.generation import pieces  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/report.py benchmarks/results/*.json --plots docs/img
+    python -m benchmarks.report benchmarks/results/*.json --plots docs/img
 
 Prints markdown (paste it into docs/benchmarks.md) and writes one stop-latency
 plot and one throughput-ratio plot per result file when matplotlib is installed.

@@ -1,6 +1,6 @@
 """Where does a stop's wait go? Each stop split into its parts.
 
-    python benchmarks/stop_breakdown.py --synthetic llama3-8b --lengths 512,32768 --rounds 8 --budget 0.01
+    python -m benchmarks.stop_breakdown --synthetic llama3-8b --lengths 512,32768 --rounds 8 --budget 0.01
 
 For each prompt length and phase (prefill, decode), ``--rounds`` stops at a random
 moment; each is split, in ms, into:
@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (imports mlx_notebook first)
+from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
 import mlx_notebook  # noqa: E402
-from mlx_notebook import control, worker as worker_module  # noqa: E402
+from mlx_notebook import control  # noqa: E402
+from mlx_notebook.generation import worker as worker_module  # noqa: E402
 
 marks: dict = {}
 

@@ -1,6 +1,6 @@
 """What does the live widget cost? Decode speed with and without the display.
 
-    python benchmarks/widget_cost.py --repeats 3 --tokens 64
+    python -m benchmarks.widget_cost --repeats 3 --tokens 64
 
 In one real kernel (jupyter_client), alternately: a ``%%mlxgen --wait`` cell
 (widget view: throttled trait updates sent as comm messages, which this client

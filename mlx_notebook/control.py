@@ -9,14 +9,18 @@ recorded, so stop latency is measured rather than guessed.
 Example::
 
     token = CancelToken()
+    pace = Pace(token, budget_s=0.05, on_pause=synchronize)
     threading.Timer(1.0, token.cancel).start()
     try:
         for piece in work:
-            run(piece)
-            token.checkpoint(on_pause=synchronize)
+            run(piece)          # sized so that one piece takes about pace.budget_s
+            pace.checkpoint()
     except Cancelled:
         synchronize()
         token.mark_stopped()
+
+A :class:`Pace` is what travels down the library: one per generation, the
+token plus the budget pieces are sized to plus what a pause must do.
 
 This module knows about threading only.
 """
@@ -27,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
+
+Hook = Callable[[], None]
 
 
 # Seconds one piece of work may take, i.e. the longest a stop or pause waits.
@@ -164,3 +170,34 @@ class CancelToken:
     def latencies(self, kind: str) -> List[float]:
         """Latencies (seconds) of the requests of one kind that took effect."""
         return [e.latency_s for e in self.events if e.kind == kind and e.latency_s is not None]
+
+
+@dataclass
+class Pace:
+    """How one generation's work is paced: its token, its budget, its pause hooks.
+
+    Made by the worker for each job and passed down as one argument; every
+    piece boundary in the library is one :meth:`checkpoint` call on it.
+
+    Args:
+        token: The generation's stop / pause requests.
+        budget_s: Seconds one piece of work may take, i.e. the longest a stop
+          or pause waits. Default: ``DEFAULT_STOP_BUDGET_S`` (0.1).
+        on_pause: Called once before a pause blocks (drain the device, report
+          ``paused``). Default: ``None``.
+        on_resume: Called once when a pause ends by resumption. Default: ``None``.
+    """
+
+    token: CancelToken
+    budget_s: float = DEFAULT_STOP_BUDGET_S
+    on_pause: Optional[Hook] = None
+    on_resume: Optional[Hook] = None
+
+    def checkpoint(self) -> None:
+        """Raise :class:`Cancelled` after a stop request; block while paused."""
+        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+
+
+def unpaced(budget_s: float = DEFAULT_STOP_BUDGET_S) -> Pace:
+    """A pace nobody stops or pauses (scripts, a plain ``load_model``)."""
+    return Pace(CancelToken(), budget_s)

@@ -15,9 +15,9 @@ real default model (SmolLM2-135M) for ``--default-share`` of the rounds.
 
 Usage::
 
-    python scripts/fault_campaign.py --rounds 500 --json /tmp/faults500.json
-    python scripts/fault_campaign.py --rounds 500 --json /tmp/faults500.json --resume
-    python scripts/fault_campaign.py --rounds 30 --default-share 0 --exit-rounds 4
+    python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json
+    python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json --resume
+    python -m scripts.fault_campaign --rounds 30 --default-share 0 --exit-rounds 4
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
-from fault_rounds import (  # noqa: E402
+from testkit.fault_rounds import (  # noqa: E402
     Campaign,
     ModelSpec,
     RoundResult,
@@ -51,7 +50,7 @@ EXIT_PHASES = ("load", "prefill", "decode", "paused", "queued", "idle")
 
 def tiny_specs(folder: Path) -> List[ModelSpec]:
     """Two tiny random-weight models (4 layers, hidden 64) written into ``folder``."""
-    from tiny_model import make_tiny_model
+    from testkit.tiny_model import make_tiny_model
 
     specs = []
     for label, seed in (("tiny", 0), ("tiny-b", 1)):

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 # Models come from local files only; a test that reaches for the hub must fail.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx_notebook  # noqa: E402  (first: it binds MLX to OpenBLAS when present)
-from tiny_model import make_tiny_model  # noqa: E402
+from testkit.tiny_model import make_tiny_model  # noqa: E402
 
 
 def has_default_model() -> bool:

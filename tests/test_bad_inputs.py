@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-import gguf_writer as gw
+from testkit import gguf_writer as gw
 import test_gguf
 from conftest import needs_default_model
-from kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
+from testkit.kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
 
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_notebook.engine import MAX_PREFILL_CHUNK, ChunkPlanner
+from mlx_notebook.generation.chunks import MAX_PREFILL_CHUNK, ChunkPlanner
 
 
 def simulate(planner: ChunkPlanner, tokens: int, target_s: float, device):

@@ -61,7 +61,7 @@ def test_stop_in_prefill_parks_within_seconds_not_a_minute(quantized_worker):
     waited = time.perf_counter() - t0
     assert gen.state == "stopped" and gen.stats.prompt_tokens > 1000
     # The whole prefill would have taken over a minute at the measured rate.
-    per_token = quantized_worker.call(lambda s: s.get(None).prefill_s_per_token)
+    per_token = quantized_worker.call(lambda s: s.get(None).prefill_cost[1])
     assert per_token * gen.stats.prompt_tokens > 30
     assert waited < 5 and gen.stats.stop_latency_s < 5
     assert greedy(quantized_worker).tokens == before

@@ -1,4 +1,4 @@
-"""The CPU fast path's block-wise dequantization (``models.dequantize_to_float32``).
+"""The CPU fast path's block-wise dequantization (``budgeted.dequantize_to_float32``).
 
 It must give exactly the weights mlx-lm's ``dequantize_model`` gives, and a stop
 in the middle must leave the model as it was: still quantized, still usable.
@@ -13,8 +13,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_notebook import models
-from mlx_notebook.control import Cancelled, CancelToken
+from mlx_notebook.loading import budgeted, policy, store
+from mlx_notebook.control import Cancelled, CancelToken, Pace
 
 
 def quantized_tiny(folder: str):
@@ -31,9 +31,9 @@ def test_same_weights_as_mlx_lm(tiny_model: str, monkeypatch, block_bytes: int) 
     from mlx_lm.utils import dequantize_model
 
     # 1 KiB blocks split every weight of the tiny model into several blocks.
-    monkeypatch.setattr(models, "DEQUANTIZE_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(budgeted, "DEQUANTIZE_BLOCK_BYTES", block_bytes)
     ours, theirs = quantized_tiny(tiny_model), quantized_tiny(tiny_model)
-    models.dequantize_to_float32(ours, token=CancelToken(), budget_s=0.01)
+    budgeted.dequantize_to_float32(ours, Pace(CancelToken(), 0.01))
     dequantize_model(theirs)
     theirs.set_dtype(mx.float32)
 
@@ -49,7 +49,7 @@ def test_same_weights_as_mlx_lm(tiny_model: str, monkeypatch, block_bytes: int) 
 
 
 def test_stop_midway_leaves_the_model_quantized_and_usable(tiny_model: str, monkeypatch) -> None:
-    monkeypatch.setattr(models, "DEQUANTIZE_BLOCK_BYTES", 1 << 10)
+    monkeypatch.setattr(budgeted, "DEQUANTIZE_BLOCK_BYTES", 1 << 10)
     model = quantized_tiny(tiny_model)
     tokens = mx.array([[1, 5, 9, 2]])
     before = model(tokens)
@@ -62,7 +62,7 @@ def test_stop_midway_leaves_the_model_quantized_and_usable(tiny_model: str, monk
             token.cancel()
 
     with pytest.raises(Cancelled):
-        models.dequantize_to_float32(model, token=token, progress=progress, budget_s=0.01)
+        budgeted.dequantize_to_float32(model, Pace(token, 0.01), progress=progress)
     # The stop landed at the next checkpoint, within the third weight, long before the end.
     assert len(seen) == 2 and seen[-1][0] < seen[-1][1] / 4, seen
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())

@@ -114,7 +114,7 @@ def test_stop_during_decode_keeps_partial_text_and_model(worker, tiny_model):
 
 
 def test_stop_during_load_keeps_nothing_half_loaded(worker, tiny_model, tmp_path):
-    from tiny_model import make_tiny_model
+    from testkit.tiny_model import make_tiny_model
 
     folder = str(make_tiny_model(tmp_path / "m", layers=8, hidden=256, intermediate=512))
     cancelled_at = []
@@ -330,12 +330,12 @@ def test_layer_groups_shrink_as_the_context_grows(tiny_model):
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    from mlx_notebook.control import CancelToken
-    from mlx_notebook.pieces import LayerRunner
+    from mlx_notebook.control import CancelToken, Pace
+    from mlx_notebook.generation.pieces import LayerRunner
 
     model, _ = load_model(Path(tiny_model))
     cache = make_prompt_cache(model)
-    runner = LayerRunner(model.model, model, cache, CancelToken(), None, None, budget_s=0.1)
+    runner = LayerRunner(model.model, model, cache, Pace(CancelToken(), 0.1))
     # Seconds per layer per token measured at mean context positions 100 and 300.
     runner._samples = [(100.0, 1e-4), (300.0, 2e-4)]
     assert runner._per_layer_token(500.0) == pytest.approx(3e-4)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import has_default_model, needs_default_model
-from fault_rounds import (
+from testkit.fault_rounds import (
     FAULTS,
     PHASES,
     Campaign,
@@ -33,8 +33,8 @@ from fault_rounds import (
     summarize,
     tiny_spec,
 )
-from kernel_helpers import KernelSession, view, wait_state
-from tiny_model import make_tiny_model
+from testkit.kernel_helpers import KernelSession, view, wait_state
+from testkit.tiny_model import make_tiny_model
 
 import mlx_notebook
 
@@ -180,8 +180,8 @@ def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_p
 SLOW = {
     # Where the interrupt lands: while the widget is being displayed, or after
     # that but before the view follows the generation.
-    "display": ("import mlx_notebook.widget as W", "W.WidgetView._display"),
-    "listener": ("import mlx_notebook.worker as W", "W.Generation.add_listener"),
+    "display": ("import mlx_notebook.notebook.widget as W", "W.WidgetView._display"),
+    "listener": ("import mlx_notebook.generation.handle as W", "W.Generation.add_listener"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Tests for mlx_notebook.gguf: header checks, conversion, tokenizer, cache.
+"""Tests for mlx_notebook.loading.gguf: header checks, conversion, tokenizer, cache.
 
 Tiny llama models are written with tests/gguf_writer.py and compared with a
 numpy forward pass that follows llama.cpp's reading of a GGUF file. The real
@@ -23,10 +23,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import gguf_writer as gw  # noqa: E402
+from testkit import gguf_writer as gw  # noqa: E402
 
-from mlx_notebook import gguf  # noqa: E402
+from mlx_notebook.loading import gguf  # noqa: E402
 from mlx_notebook.errors import (  # noqa: E402
     InvalidArgumentError,
     ModelFormatError,
@@ -584,7 +583,7 @@ def test_valid_tiny_file_passes(tmp_path: Path) -> None:
 
 _CHILD = textwrap.dedent("""
     import sys, mlx.core as mx
-    from mlx_notebook import gguf
+    from mlx_notebook.loading import gguf
     from mlx_notebook.errors import ModelFormatError
     outcome = {}
     for path in sys.argv[2:]:

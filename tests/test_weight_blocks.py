@@ -1,4 +1,4 @@
-"""Large weights read in row blocks during a load (``weight_blocks``, ``models.evaluate_parameters``).
+"""Large weights read in row blocks during a load (``weight_blocks``, ``budgeted.evaluate_parameters``).
 
 The blocks must join into exactly the tensors mlx-lm loads, a stop between
 blocks must end the load with nothing kept, and the path must be used where
@@ -16,10 +16,10 @@ from mlx.utils import tree_flatten
 
 import mlx_notebook
 from conftest import needs_default_model
-from mlx_notebook import models, weight_blocks
-from mlx_notebook.control import Cancelled, CancelToken
+from mlx_notebook.loading import budgeted, policy, store, weight_blocks
+from mlx_notebook.control import Cancelled, CancelToken, Pace
 from test_default_model import QUESTION
-from tiny_model import make_tiny_model
+from testkit.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -30,8 +30,8 @@ def tiny_folder(request, tmp_path_factory) -> Path:
 @pytest.fixture
 def small_batches(monkeypatch):
     """Batches of a few KiB (with a tiny budget), so the tiny model's weights split into many blocks."""
-    monkeypatch.setattr(models, "FIRST_BATCH_BYTES", 4 << 10)
-    monkeypatch.setattr(models, "MIN_BATCH_BYTES", 4 << 10)
+    monkeypatch.setattr(budgeted, "FIRST_BATCH_BYTES", 4 << 10)
+    monkeypatch.setattr(budgeted, "MIN_BATCH_BYTES", 4 << 10)
     monkeypatch.setenv("MLX_NOTEBOOK_BLOCK_LOAD", "1")
 
 
@@ -52,8 +52,8 @@ def test_blocks_join_into_the_tensors_mlx_lm_loads(tiny_folder: Path, small_batc
 
     reads = count_reads(monkeypatch)
     seen = []
-    loaded = models.ModelStore().get(
-        str(tiny_folder), token=CancelToken(), budget_s=1e-6, progress=lambda d, t: seen.append((d, t))
+    loaded = store.ModelStore().get(
+        str(tiny_folder), Pace(CancelToken(), 1e-6), progress=lambda d, t: seen.append((d, t))
     )
     reference, _ = load_model(tiny_folder)
     ours = dict(tree_flatten(loaded.model.parameters()))
@@ -72,7 +72,7 @@ def test_blocks_join_into_the_tensors_mlx_lm_loads(tiny_folder: Path, small_batc
 
 def test_stop_between_blocks_keeps_nothing(tiny_folder: Path, small_batches, monkeypatch) -> None:
     reads = count_reads(monkeypatch)
-    store = models.ModelStore()
+    models = store.ModelStore()
     token = CancelToken()
     seen = []
 
@@ -82,25 +82,25 @@ def test_stop_between_blocks_keeps_nothing(tiny_folder: Path, small_batches, mon
             token.cancel()
 
     with pytest.raises(Cancelled):
-        store.get(str(tiny_folder), token=token, budget_s=1e-6, progress=progress)
+        models.get(str(tiny_folder), Pace(token, 1e-6), progress=progress)
     assert len(reads) == 3, "the stop should land at the checkpoint after the block being read"
-    assert store.loaded() == []
+    assert models.loaded() == []
     assert seen[-1] < seen[0] + 3 * (4 << 10) + 1, seen
     # The next load starts over and gives the whole model.
-    loaded = store.get(str(tiny_folder), token=CancelToken(), budget_s=1e-6)
-    assert len(reads) > 6 and store.loaded() == [loaded]
+    loaded = models.get(str(tiny_folder), Pace(CancelToken(), 1e-6))
+    assert len(reads) > 6 and models.loaded() == [loaded]
 
 
 def test_not_used_on_cpu_by_default_nor_for_other_model_types(monkeypatch) -> None:
     monkeypatch.delenv("MLX_NOTEBOOK_BLOCK_LOAD", raising=False)
     with mx.stream(mx.cpu):
-        assert not models.read_in_blocks({"model_type": "llama"})
+        assert not policy.read_in_blocks({"model_type": "llama"})
     monkeypatch.setenv("MLX_NOTEBOOK_BLOCK_LOAD", "1")
-    assert models.read_in_blocks({"model_type": "llama"})
+    assert policy.read_in_blocks({"model_type": "llama"})
     # A family whose sanitize may transform a weight under its own name.
-    assert not models.read_in_blocks({"model_type": "mixtral"})
+    assert not policy.read_in_blocks({"model_type": "mixtral"})
     monkeypatch.setenv("MLX_NOTEBOOK_BLOCK_LOAD", "0")
-    assert not models.read_in_blocks({"model_type": "llama"})
+    assert not policy.read_in_blocks({"model_type": "llama"})
 
 
 def test_a_stored_tensor_only_matches_its_own_shape_and_dtype(tiny_folder: Path) -> None:
@@ -124,7 +124,7 @@ def _dtype_of(stored: weight_blocks.StoredTensor):
 def test_a_join_does_not_size_the_next_reads() -> None:
     # A join is a copy at memory bandwidth; sizing file reads from its rate
     # made the next blocks run 4x over the budget on an H200.
-    evaluator = models.BatchEvaluator(CancelToken(), budget_s=0.01)
+    evaluator = budgeted.BatchEvaluator(Pace(CancelToken(), 0.01))
     before = evaluator.batch_bytes
     evaluator.run([mx.concatenate([mx.ones((256, 1024)), mx.ones((256, 1024))])], counted=False)
     assert evaluator.batch_bytes == before and evaluator.done == 0

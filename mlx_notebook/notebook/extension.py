@@ -1,6 +1,6 @@
 """``%load_ext mlx_notebook`` / ``%unload_ext mlx_notebook``: wire and unwire everything.
 
-Loading registers the :class:`~mlx_notebook.magics.MLXGen` magics (and with
+Loading registers the :class:`~mlx_notebook.notebook.magics.MLXGen` magics (and with
 them the ``MLXGen`` config section), the IPython events the display router
 needs, and the kernel hooks (idle SIGINT, shutdown, exit). Unloading stops
 the running and queued generations and waits for the worker to park, then

@@ -19,26 +19,30 @@ whole-chunk pieces; ``runner.pieces`` says which one is in use.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .control import CancelToken
+from ..control import Pace
+from ..loading.store import LoadedModel
 from .fit import linear_fit
+from .stats import PrefillPieces
 
 
 class ChunkRunner:
     """One piece per chunk: run the model on it and evaluate the cache."""
 
-    pieces = "chunks"
+    pieces = PrefillPieces.CHUNKS
     chunk_budget_factor = 1.0
 
-    def __init__(self, model: nn.Module, cache: list) -> None:
+    def __init__(self, model: nn.Module, cache: list[Any]) -> None:
         self.model = model
         self.cache = cache
 
     def run(self, inputs: mx.array) -> None:
+        """Run the model on one chunk and evaluate the cache."""
         self.model(inputs, cache=self.cache)
         mx.eval([c.state for c in self.cache])
 
@@ -51,12 +55,12 @@ class _CheckpointedLayer:
         self._index = index
         self._hook = hook
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self._layer(*args, **kwargs)
         self._hook(self._index, out)
         return out
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # Forward attributes models read off their layers (use_sliding, ...).
         return getattr(self._layer, name)
 
@@ -68,47 +72,33 @@ class LayerRunner:
         owner: The module whose ``layers`` list the forward pass iterates.
         model: The full model.
         cache: The KV cache (one entry per layer).
-        token: Checked between groups.
-        on_pause, on_resume: Passed to ``token.checkpoint``.
-        budget_s: Target seconds for one piece.
+        pace: Checkpoint between groups, and the budget a group is sized to.
     """
 
-    pieces = "layers"
+    pieces = PrefillPieces.LAYERS
     # Groups queued on the device beyond the one being waited on. More keeps
     # the device busier; each one adds a group to the worst stop latency.
     max_in_flight = 1
 
-    def __init__(
-        self,
-        owner: nn.Module,
-        model: nn.Module,
-        cache: list,
-        token: CancelToken,
-        on_pause: Optional[Callable[[], None]],
-        on_resume: Optional[Callable[[], None]],
-        budget_s: float,
-    ) -> None:
+    def __init__(self, owner: nn.Module, model: nn.Module, cache: list[Any], pace: Pace) -> None:
         self.owner = owner
         self.model = model
         self.cache = cache
-        self.token = token
-        self.on_pause = on_pause
-        self.on_resume = on_resume
-        self.budget_s = budget_s
+        self.pace = pace
         self.n_layers = len(owner.layers)
         # Chunks may be as long as the groups a stop can wait for (the one
         # being waited on plus those queued), one layer each, fit the budget.
         self.chunk_budget_factor = max(1.0, self.n_layers / (self.max_in_flight + 1))
         self.group = 1
         # (mean context position, seconds per layer per token) of recent chunks.
-        self._samples: List[Tuple[float, float]] = []
-        self._in_flight: List[mx.array] = []
+        self._samples: list[tuple[float, float]] = []
+        self._in_flight: list[mx.array] = []
         self._calls = 0
 
     def _context(self) -> int:
         return int(getattr(self.cache[0], "offset", 0) or 0)
 
-    def _per_layer_token(self, position: float) -> Optional[float]:
+    def _per_layer_token(self, position: float) -> float | None:
         """Predicted seconds per layer per token at mean context ``position``.
 
         Attention makes a token's cost grow with the context before it (at 8k
@@ -132,7 +122,7 @@ class LayerRunner:
             return
         # The group being waited on and those queued behind it all stand
         # between a stop and the parked worker: they share the budget.
-        fit = int(self.budget_s / (self.max_in_flight + 1) / max(per * n_tokens, 1e-9))
+        fit = int(self.pace.budget_s / (self.max_in_flight + 1) / max(per * n_tokens, 1e-9))
         self.group = max(1, min(fit, self.n_layers))
 
     def _hook(self, index: int, hidden: mx.array) -> None:
@@ -143,13 +133,13 @@ class LayerRunner:
         self._in_flight.append(hidden)
         while len(self._in_flight) > self.max_in_flight:
             mx.eval(self._in_flight.pop(0))
-        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+        self.pace.checkpoint()
 
     def run(self, inputs: mx.array) -> None:
         n_tokens = inputs.shape[-1]
         position = self._context() + n_tokens / 2
         self._plan(n_tokens)
-        original: List[nn.Module] = self.owner.layers
+        original: list[nn.Module] = self.owner.layers
         wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
         self._calls = 0
         self._in_flight = []
@@ -165,12 +155,12 @@ class LayerRunner:
         elapsed = time.perf_counter() - t0
         if self._calls == 0:
             # The forward pass did not iterate the list: nothing to cut.
-            self.pieces = "chunks"
+            self.pieces = PrefillPieces.CHUNKS
             self.chunk_budget_factor = 1.0
         self._samples = (self._samples + [(position, elapsed / (n_tokens * self.n_layers))])[-6:]
 
 
-def _layer_owner(model: nn.Module, n_cache: int) -> Optional[nn.Module]:
+def _layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
     for path in ("model", "language_model.model", "backbone", "transformer"):
         owner = model
         for part in path.split("."):
@@ -182,19 +172,12 @@ def _layer_owner(model: nn.Module, n_cache: int) -> Optional[nn.Module]:
     return None
 
 
-def prefill_runner(
-    loaded,
-    cache: list,
-    token: CancelToken,
-    on_pause: Optional[Callable[[], None]],
-    on_resume: Optional[Callable[[], None]],
-    budget_s: float,
-):
+def prefill_runner(loaded: LoadedModel, cache: list[Any], pace: Pace) -> ChunkRunner | LayerRunner:
     """The best runner for this model: layer groups when the layout allows."""
-    if loaded.extras.get("prefill_pieces", "layers") == "layers":
+    if loaded.layer_pieces:
         owner = _layer_owner(loaded.model, len(cache))
         if owner is not None:
-            return LayerRunner(owner, loaded.model, cache, token, on_pause, on_resume, budget_s)
+            return LayerRunner(owner, loaded.model, cache, pace)
     return ChunkRunner(loaded.model, cache)
 
 

@@ -42,7 +42,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-from .worker import Generation, Worker
+from ..generation.handle import Generation
+from ..generation.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The magics are thin: they parse, fill ``{name}`` placeholders, and call
 :func:`mlx_notebook.generate` on the shared worker; a view shows the result
-(:mod:`mlx_notebook.widget`) and :mod:`mlx_notebook.kernel_hooks` makes
+(:mod:`.widget`) and :mod:`.kernel_hooks` makes
 interrupts safe. Every mistake a user can make (a bad flag, an unknown
 variable or model, a bad value) ends the cell with one ``UsageError`` line.
 
@@ -28,14 +28,20 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 
-from .control import DEFAULT_STOP_BUDGET_S
-from .engine import GenerationRequest
-from .errors import MLXNotebookError
+from ..control import DEFAULT_STOP_BUDGET_S
+from ..errors import MLXNotebookError
+from ..generation.handle import Generation
+from ..generation.request import GenerationRequest, check_option
+from ..generation.states import State
+from ..generation.worker import Worker, default_worker
+from ..loading.names import resolve
 from .interpolate import interpolate
 from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
-from .models import resolve
 from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
-from .worker import Generation, Worker
+
+
+# Traits that are defaults of GenerationRequest fields of the same name.
+_REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget")
 
 
 def _fail(message: str) -> UsageError:
@@ -95,26 +101,17 @@ class MLXGen(Magics):
         self._given_worker = worker
         self._worker = worker
         self.router = router or DisplayRouter()
-        self.hooks: Optional[KernelHooks] = None  # set by mlx_notebook.extension.load
+        self.hooks: Optional[KernelHooks] = None  # set by mlx_notebook.notebook.extension.load
 
     # -- config checks (shown in one line by %config) --------------------------------
 
-    @validate("max_tokens")
-    def _check_max_tokens(self, proposal: Any) -> int:
-        if proposal["value"] < 1:
-            raise TraitError(f"MLXGen.max_tokens must be >= 1, got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("temperature")
-    def _check_temperature(self, proposal: Any) -> float:
-        if not proposal["value"] >= 0:
-            raise TraitError(f"MLXGen.temperature must be >= 0, got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("stop_budget")
-    def _check_stop_budget(self, proposal: Any) -> float:
-        if not proposal["value"] > 0:
-            raise TraitError(f"MLXGen.stop_budget must be > 0 seconds, got {proposal['value']}")
+    @validate(*_REQUEST_TRAITS)
+    def _check_request_option(self, proposal: Any) -> Any:
+        # The request's own checks: one validation for the API, the magic and %config.
+        try:
+            check_option(proposal["trait"].name, proposal["value"])
+        except MLXNotebookError as exc:
+            raise TraitError(f"MLXGen.{exc}") from None
         return proposal["value"]
 
     @validate("throttle")
@@ -130,11 +127,11 @@ class MLXGen(Magics):
         """The worker generations queue on (made on first use)."""
         if self._given_worker is not None:
             return self._given_worker
-        import mlx_notebook
-
         # Asked each time: default_worker() replaces a worker that was shut down.
-        self._worker = mlx_notebook.default_worker()
-        return self._worker
+        worker = default_worker()
+        assert worker is not None  # create=True always gives one
+        self._worker = worker
+        return worker
 
     def used_worker(self) -> Optional[Worker]:
         """The worker generations run on, or ``None`` when none was started yet.
@@ -144,9 +141,7 @@ class MLXGen(Magics):
         """
         if self._given_worker is not None:
             return self._given_worker
-        import mlx_notebook
-
-        return mlx_notebook.default_worker(create=False) or self._worker
+        return default_worker(create=False) or self._worker
 
     # -- %%mlxgen ---------------------------------------------------------------------------
 
@@ -186,17 +181,13 @@ class MLXGen(Magics):
             prompt = interpolate(cell.strip(), self.shell.user_ns)
         except MLXNotebookError as exc:
             raise _fail(error_line(exc)) from None
-        request = GenerationRequest(
-            prompt=prompt,
-            model=args.model if args.model is not None else self.model,
-            max_tokens=args.max_tokens if args.max_tokens is not None else self.max_tokens,
-            temperature=args.temperature if args.temperature is not None else self.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            system=args.system if args.system is not None else self.system,
-            chat=not args.raw,
-            stop_budget=args.budget if args.budget is not None else self.stop_budget,
-        )
+        # A flag given in the cell wins over the trait of the same name.
+        given = {
+            "model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "system": args.system, "stop_budget": args.budget,
+        }
+        options = {name: getattr(self, name) if given[name] is None else given[name] for name in _REQUEST_TRAITS}
+        request = GenerationRequest(prompt, top_p=args.top_p, seed=args.seed, chat=not args.raw, **options)
         waiting = self.wait if args.wait is None else args.wait
         # From queueing to waiting, an interrupt is noted rather than raised: raised
         # mid-way it would leave the generation running unseen, or a widget that
@@ -220,7 +211,7 @@ class MLXGen(Magics):
             if waiting or interrupted:
                 wait_for(gen, interrupted=bool(interrupted))
         if waiting:
-            if gen.state == "failed" and gen.error is not None:
+            if gen.state is State.FAILED and gen.error is not None:
                 raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
 
     # -- %mlxgen_stop -------------------------------------------------------------------------

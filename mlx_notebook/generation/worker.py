@@ -7,6 +7,12 @@ the job through its states, and lets any thread pause, resume or cancel it.
 
 A generation is reported ``stopped``, ``paused``, ``failed`` or ``done`` only
 after the worker's stream has been synchronized, so nothing is left in flight.
+For each job the worker makes the generation's :class:`~mlx_notebook.control.Pace`
+(its token, its budget, and what a pause does: synchronize, report
+``paused``) and hands it down as one argument.
+
+:func:`default_worker` is the process-wide worker behind
+:func:`mlx_notebook.generate` and the magics.
 
 Example::
 
@@ -22,29 +28,26 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import threading
 import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional, Tuple, Union
+from typing import Any
 
 import mlx.core as mx
 
-from .control import Cancelled, CancelToken
-from .engine import Engine, GenerationRequest, GenerationStats
-from .models import ModelStore
+from ..control import Cancelled, Pace
+from ..loading.store import ModelStore, Tokenizer
+from .engine import Engine
+from .handle import Generation, Reporter
+from .request import GenerationRequest
+from .states import State
 
 log = logging.getLogger(__name__)
-
-ACTIVE_STATES = ("loading", "prefilling", "decoding", "paused")
-FINAL_STATES = ("stopped", "done", "failed")
-STATES = ("queued",) + ACTIVE_STATES + FINAL_STATES
-
-_ids = itertools.count(1)
 # After a generation ends, the worker idles this long (or until the next job)
 # before it frees the generation's memory. Freeing a long KV cache holds the
 # GIL for milliseconds (mx.clear_cache returns GBs to the device; measured
@@ -54,7 +57,7 @@ CLEANUP_DELAY_S = 0.05
 # Workers whose thread started: stopped at interpreter exit, before
 # finalization, because a daemon thread killed mid-MLX-work (or one that still
 # holds streams) aborts the process.
-_live_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
 @atexit.register
@@ -64,182 +67,33 @@ def _shutdown_live_workers() -> None:
 
 
 @dataclass
-class GenerationEvent:
-    """What a listener hears.
-
-    Args:
-        kind: ``"state"``, ``"progress"`` or ``"tokens"``.
-        generation: The generation it is about.
-        state: The state after the event.
-        text: For ``"tokens"``: the new text.
-        phase: For ``"progress"``: ``"load"`` or ``"prefill"``.
-        done, total: For ``"progress"``: bytes (load) or tokens (prefill).
-    """
-
-    kind: str
-    generation: "Generation"
-    state: str
-    text: str = ""
-    phase: str = ""
-    done: int = 0
-    total: int = 0
-
-
-Listener = Callable[[GenerationEvent], None]
-
-
-class Generation:
-    """A handle on one queued, running or finished generation.
-
-    Attributes:
-        id: A small integer, unique in the process.
-        request: What was asked.
-        stats: A :class:`GenerationStats`, updated as it runs.
-        error: The exception that failed it, or ``None``.
-    """
-
-    def __init__(self, request: GenerationRequest, worker: "Worker") -> None:
-        self.id = next(_ids)
-        self.request = request
-        self.stats = GenerationStats()
-        self.error: Optional[BaseException] = None
-        self.token = CancelToken()
-        self.created_at = time.time()
-        self._worker = worker
-        self._state = "queued"
-        self._segments: List[str] = []
-        self._tokens: List[int] = []
-        self._listeners: List[Listener] = []
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return (
-            f"<Generation #{self.id} {self._state}: {self.stats.generated_tokens} tokens, "
-            f"{len(self.text)} chars>"
-        )
-
-    # -- reading ------------------------------------------------------------
-
-    @property
-    def state(self) -> str:
-        """One of ``queued loading prefilling decoding paused stopped done failed``."""
-        return self._state
-
-    @property
-    def text(self) -> str:
-        """The text generated so far (readable at any time, also after a stop)."""
-        return "".join(self._segments)
-
-    @property
-    def tokens(self) -> List[int]:
-        """The token ids generated so far (EOS excluded)."""
-        return list(self._tokens)
-
-    @property
-    def finished(self) -> bool:
-        """Whether the generation reached ``stopped``, ``done`` or ``failed``."""
-        return self._done.is_set()
-
-    # -- control --------------------------------------------------------------
-
-    def pause(self) -> None:
-        """Pause at the next checkpoint; the KV cache and sampler are kept."""
-        if not self.finished:
-            self.token.pause()
-
-    def resume(self) -> None:
-        """Continue a paused generation exactly where it stopped."""
-        self.token.resume()
-
-    def cancel(self) -> None:
-        """Stop at the next checkpoint (or drop it from the queue)."""
-        if self.finished:
-            return
-        self.token.cancel()
-        self._worker._discard_queued(self)
-
-    stop = cancel
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until finished; return whether it finished in time."""
-        return self._done.wait(timeout)
-
-    def result(self, timeout: Optional[float] = None) -> str:
-        """Wait and return the text (partial after a stop).
-
-        Raises:
-            TimeoutError: Not finished within ``timeout`` seconds.
-            Exception: The error that failed the generation.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"generation #{self.id} still {self._state} after {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return self.text
-
-    # -- listeners --------------------------------------------------------------
-
-    def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(event)`` on every state change, progress and token.
-
-        Listeners run on the worker thread and must be quick; an exception in
-        one is logged and does not affect the generation.
-        """
-        with self._lock:
-            self._listeners.append(listener)
-
-    def remove_listener(self, listener: Listener) -> None:
-        """Stop calling ``listener``."""
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-    def _notify(self, event: GenerationEvent) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            try:
-                listener(event)
-            except Exception:  # a display bug must never stop the generation
-                log.exception("mlx-notebook listener failed")
-
-    # -- the engine's sink (worker thread) ----------------------------------------
-
-    def set_state(self, state: str) -> None:
-        if state == self._state:
-            return
-        self._state = state
-        self._notify(GenerationEvent("state", self, state))
-
-    def progress(self, phase: str, done: int, total: int) -> None:
-        self._notify(GenerationEvent("progress", self, self._state, phase=phase, done=done, total=total))
-
-    def emit(self, token_ids: List[int], text: str) -> None:
-        self._tokens.extend(token_ids)
-        if text:
-            self._segments.append(text)
-        self._notify(GenerationEvent("tokens", self, self._state, text=text))
-
-    def _finish(self, state: str, error: Optional[BaseException] = None) -> None:
-        self.error = error
-        if state in ("stopped", "failed"):
-            self.stats.finish_reason = state
-        self.set_state(state)
-        self._done.set()
-
-
-@dataclass
 class _Call:
     """A function to run on the worker thread (model loads, unloads)."""
 
     fn: Callable[[ModelStore], Any]
     done: threading.Event
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
 
-Job = Union[Generation, _Call]
+Job = Reporter | _Call
+
+
+class _PauseHooks:
+    """What a pause does on the worker: drain the stream, report ``paused``; resume restores the state."""
+
+    def __init__(self, reporter: Reporter, stream: mx.Stream) -> None:
+        self._reporter = reporter
+        self._stream = stream
+        self._before = State.LOADING
+
+    def on_pause(self) -> None:
+        mx.synchronize(self._stream)
+        self._before = self._reporter.state
+        self._reporter.set_state(State.PAUSED)
+
+    def on_resume(self) -> None:
+        self._reporter.set_state(self._before)
 
 
 class Worker:
@@ -251,16 +105,16 @@ class Worker:
         store: The models it loads into. Default: a new :class:`ModelStore`.
     """
 
-    def __init__(self, store: Optional[ModelStore] = None) -> None:
+    def __init__(self, store: ModelStore | None = None) -> None:
         self.store = store or ModelStore()
-        self._queue: Deque[Job] = deque()
+        self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._closed = False
         self._cleanup_due = False
-        self.current: Optional[Generation] = None
-        self.history: List[Generation] = []
-        self.stream: Optional[mx.Stream] = None
+        self.current: Generation | None = None
+        self.history: list[Generation] = []
+        self.stream: mx.Stream | None = None
 
     # -- submitting -------------------------------------------------------------
 
@@ -273,16 +127,16 @@ class Worker:
         """
         request.validate()
         self.store.resolve(request.model)
-        gen = Generation(request, self)
+        gen = Generation(request, on_cancel=self._discard_queued)
         with self._cond:
             self._check_open()
-            self._queue.append(gen)
+            self._queue.append(Reporter(gen))
             self.history.append(gen)
             self._start_thread()
             self._cond.notify_all()
         return gen
 
-    def call(self, fn: Callable[[ModelStore], Any], timeout: Optional[float] = None) -> Any:
+    def call(self, fn: Callable[[ModelStore], Any], timeout: float | None = None) -> Any:
         """Run ``fn(store)`` on the worker thread after the queued jobs."""
         job = _Call(fn, threading.Event())
         with self._cond:
@@ -296,7 +150,7 @@ class Worker:
             raise job.error
         return job.result
 
-    def load_model(self, name: Optional[str] = None) -> Tuple[Any, Any]:
+    def load_model(self, name: str | None = None) -> tuple[Any, Tokenizer]:
         """Load (or reuse) a model on the worker thread; return ``(model, tokenizer)``."""
         self.store.resolve(name)
         loaded = self.call(lambda store: store.get(name))
@@ -314,24 +168,29 @@ class Worker:
 
     def _discard_queued(self, gen: Generation) -> None:
         with self._cond:
-            try:
-                self._queue.remove(gen)
-            except ValueError:
+            found = next((j for j in self._queue if isinstance(j, Reporter) and j.generation is gen), None)
+            if found is None:
                 return  # running or finished: the checkpoint handles it
+            self._queue.remove(found)
         gen.stats.stop_latency_s = gen.token.mark_stopped()
-        gen._finish("stopped")
+        found.finish(State.STOPPED)
 
     # -- inspecting ---------------------------------------------------------------
 
-    def queued(self) -> List[Generation]:
+    def queued(self) -> list[Generation]:
         """Generations waiting behind the current one, in order."""
         with self._cond:
-            return [job for job in self._queue if isinstance(job, Generation)]
+            return [job.generation for job in self._queue if isinstance(job, Reporter)]
 
-    def active(self) -> List[Generation]:
+    def active(self) -> list[Generation]:
         """The running generation (if any) followed by the queued ones."""
         current = self.current
         return ([current] if current is not None else []) + self.queued()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` was called (it takes no more jobs)."""
+        return self._closed
 
     @property
     def alive(self) -> bool:
@@ -340,14 +199,14 @@ class Worker:
 
     # -- stopping -------------------------------------------------------------------
 
-    def cancel_all(self) -> List[Generation]:
+    def cancel_all(self) -> list[Generation]:
         """Cancel the running and queued generations; return them."""
         gens = self.active()
         for gen in gens:
             gen.cancel()
         return gens
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Wait until no generation runs or waits; return whether that happened."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for gen in self.active():
@@ -356,7 +215,7 @@ class Worker:
                 return False
         return True
 
-    def shutdown(self, *, cancel: bool = True, timeout: Optional[float] = 30.0) -> bool:
+    def shutdown(self, *, cancel: bool = True, timeout: float | None = 30.0) -> bool:
         """Stop accepting jobs, cancel (or finish) the queue, and join the thread.
 
         Returns:
@@ -375,7 +234,7 @@ class Worker:
 
     # -- the thread -------------------------------------------------------------------
 
-    def _next_job(self) -> Optional[Job]:
+    def _next_job(self) -> Job | None:
         if self._cleanup_due:
             with self._cond:
                 if not self._queue and not self._closed:
@@ -423,25 +282,29 @@ class Worker:
         finally:
             job.done.set()
 
-    def _run_generation(self, engine: Engine, gen: Generation) -> None:
+    def _run_generation(self, engine: Engine, reporter: Reporter) -> None:
+        gen = reporter.generation
         if gen.token.cancelled:
             gen.stats.stop_latency_s = gen.token.mark_stopped()
-            gen._finish("stopped")
+            reporter.finish(State.STOPPED)
             return
         self.current = gen
+        assert self.stream is not None
+        hooks = _PauseHooks(reporter, self.stream)
+        pace = Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
         try:
-            engine.run(gen.request, gen.token, gen)
+            engine.run(gen.request, pace, reporter)
             mx.synchronize(self.stream)
-            gen._finish("done")
+            reporter.finish(State.DONE)
         except Cancelled:
             self._synchronize_quietly()
             gen.stats.stop_latency_s = gen.token.mark_stopped()
-            gen._finish("stopped")
+            reporter.finish(State.STOPPED)
         except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
             self._synchronize_quietly()
             log.debug("generation #%s failed", gen.id, exc_info=True)
             _detach_traceback(exc)
-            gen._finish("failed", error=exc)
+            reporter.finish(State.FAILED, error=exc)
         finally:
             self.current = None
             self._cleanup_due = True  # see CLEANUP_DELAY_S
@@ -462,7 +325,7 @@ def _detach_traceback(error: BaseException) -> None:
     ``Worker.history`` would pin them for good.
     """
     seen = set()
-    exc: Optional[BaseException] = error
+    exc: BaseException | None = error
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if exc.__traceback__ is not None and hasattr(exc, "add_note"):  # Python >= 3.11
@@ -470,3 +333,24 @@ def _detach_traceback(error: BaseException) -> None:
             exc.add_note("mlx-notebook worker traceback:\n" + where)
         exc.__traceback__ = None
         exc = exc.__cause__ or exc.__context__
+
+
+_default: Worker | None = None
+_default_lock = threading.Lock()
+
+
+def default_worker(*, create: bool = True) -> Worker | None:
+    """The process-wide worker behind :func:`mlx_notebook.generate` and the magics.
+
+    Args:
+        create: Make one if there is none (or it was shut down). With
+          ``False``, return ``None`` instead: the kernel hooks use this to
+          find generations without starting a worker. Default: ``True``.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            if not create:
+                return None
+            _default = Worker()
+        return _default

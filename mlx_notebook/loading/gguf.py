@@ -11,7 +11,7 @@ first and :func:`convert_gguf` never hands MLX a file that failed it.
 
 Example::
 
-    from mlx_notebook.gguf import cached_conversion, default_gguf_path
+    from mlx_notebook.loading.gguf import cached_conversion, default_gguf_path
     import mlx_lm
 
     folder = cached_conversion(default_gguf_path(), cache_dir)
@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError
+from ..errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError
 
 __all__ = [
     "DEFAULT_GGUF_NAME",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 _PATH = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
 # The escape is tried first, so "{{x}}" never reads as "{" + placeholder + "}".

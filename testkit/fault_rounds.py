@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from kernel_helpers import KernelSession, Reply, status, view
+from testkit.kernel_helpers import KernelSession, Reply, status, view
 
 PHASES = ("load", "prefill", "decode", "paused", "queued", "idle")
 FAULTS = (
@@ -781,7 +781,7 @@ class _Round:
     def fault_interrupt_wait(self) -> None:
         s = self.s
         if self.phase == "paused":
-            self.wait_cell = s.start("from mlx_notebook.kernel_hooks import wait_for; wait_for(_fc_t)")
+            self.wait_cell = s.start("from mlx_notebook.notebook.kernel_hooks import wait_for; wait_for(_fc_t)")
         elif self.phase == "idle":
             self.wait_cell = s.start("import time; time.sleep(30)")
         if self.phase in ("paused", "idle"):

@@ -1,6 +1,6 @@
 """The display of one generation: a widget with Stop / Pause-Resume, or plain text.
 
-One view per generation. It listens to the :class:`~mlx_notebook.worker.Generation`
+One view per generation. It listens to the :class:`~mlx_notebook.generation.handle.Generation`
 (listeners run on the worker thread) and redraws from the handle's current
 ``text`` / ``state`` / ``stats``, never from event deltas, so a missed event
 costs nothing and every redraw is correct. Redraws are throttled (``throttle``
@@ -44,15 +44,14 @@ import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .worker import FINAL_STATES, Generation, GenerationEvent
+from ..generation.handle import Generation, GenerationEvent
+from ..generation.states import State
 
 UI_CHOICES = ("auto", "widget", "text")
 
-RUNNING_STATES = ("loading", "prefilling", "decoding")
-STOPPABLE_STATES = ("queued",) + RUNNING_STATES + ("paused",)
 # tqdm.notebook's convention: green done, orange stopped, red failed.
-OUTCOME_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
-OUTCOME_COLOR = {"done": "#2e7d32", "stopped": "#e65100", "failed": "#c62828"}
+OUTCOME_STYLE = {State.DONE: "success", State.STOPPED: "warning", State.FAILED: "danger"}
+OUTCOME_COLOR = {State.DONE: "#2e7d32", State.STOPPED: "#e65100", State.FAILED: "#c62828"}
 METADATA_KEY = "mlx_notebook"
 
 _PRE_STYLE = (
@@ -212,7 +211,7 @@ class GenerationView:
         """The listener (worker thread): remember progress, redraw when due."""
         if event.kind == "progress":
             self._phase, self._phase_done, self._phase_total = event.phase, event.done, event.total
-        if event.kind == "state" and event.state in FINAL_STATES:
+        if event.kind == "state" and event.state.final:
             self._finish()
             return
         now = time.monotonic()
@@ -253,11 +252,11 @@ class GenerationView:
         """``(phase, fraction done)`` for the progress bar."""
         gen = self.gen
         state = gen.state
-        if state == "decoding" or gen.stats.generated_tokens:  # also paused or ended mid-decode
+        if state is State.DECODING or gen.stats.generated_tokens:  # also paused or ended mid-decode
             return "decode", min(1.0, gen.stats.generated_tokens / max(1, gen.request.max_tokens))
         if self._phase and self._phase_total:
             return self._phase, min(1.0, self._phase_done / self._phase_total)
-        return ("queued" if state == "queued" else state), 0.0
+        return state.value, 0.0
 
 
 class _Bundle:
@@ -348,9 +347,9 @@ class WidgetView(GenerationView):
 
     def _on_pause_click(self, button: Any) -> None:
         gen = self.gen
-        if gen.state == "paused":
+        if gen.state is State.PAUSED:
             gen.resume()
-        elif gen.state in RUNNING_STATES:
+        elif gen.state.running:
             gen.pause()
         self.draw(final=gen.finished)
 
@@ -371,7 +370,7 @@ class WidgetView(GenerationView):
         gen = self.gen
         with self._lock:
             state = gen.state
-            final = final or state in FINAL_STATES
+            final = final or state.final
             phase, fraction = self.progress_fraction()
             # Contexts exit in reverse: the text goes out first and the stats
             # line last, so "done" never shows beside text missing its tail.
@@ -381,7 +380,7 @@ class WidgetView(GenerationView):
                 self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(gen.text)}</pre>'
                 self._draw_buttons(state, final)
                 self.progress.description = phase
-                self.progress.value = 1.0 if state == "done" else fraction
+                self.progress.value = 1.0 if state is State.DONE else fraction
                 self.progress.bar_style = OUTCOME_STYLE.get(state, "info" if not final else "")
                 color = OUTCOME_COLOR.get(state, "inherit")
                 self.status.value = (
@@ -389,20 +388,20 @@ class WidgetView(GenerationView):
                     f"{html.escape(status_line(gen))}</span>"
                 )
 
-    def _draw_buttons(self, state: str, final: bool) -> None:
+    def _draw_buttons(self, state: State, final: bool) -> None:
         token = self.gen.token
         stopping = token.cancelled and not final
         self.stop_button.description = "Stopping…" if stopping else "Stop"
-        self.stop_button.disabled = final or stopping or state not in STOPPABLE_STATES
+        self.stop_button.disabled = final or stopping or not state.stoppable
         pause = self.pause_button
-        if state == "paused" and not stopping:
+        if state is State.PAUSED and not stopping:
             pause.description, pause.icon, pause.disabled = "Resume", "play", False
-        elif state in RUNNING_STATES and token.pause_requested and not stopping:
+        elif state.running and token.pause_requested and not stopping:
             # Requested, not yet in effect: the worker pauses at its next checkpoint.
             pause.description, pause.icon, pause.disabled = "Pausing…", "pause", True
         else:
             pause.description, pause.icon = "Pause", "pause"
-            pause.disabled = stopping or state not in RUNNING_STATES
+            pause.disabled = stopping or not state.running
 
     def publish_final(self) -> None:
         # One update of the whole bundle: live frontends redraw the same widget,

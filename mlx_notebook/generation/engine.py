@@ -1,0 +1,224 @@
+"""One generation, phase by phase, with a checkpoint between every two pieces of work.
+
+Phases: load (parameters evaluated in budget-sized batches), prepare (chat
+template, tokenization), prefill (prompt chunks, or groups of layers of a
+chunk, sized so that one piece fits the stop budget), decode (one token per
+piece).
+
+The engine never synchronizes on a stop itself: it raises
+:class:`~mlx_notebook.control.Cancelled` out of a checkpoint and the worker,
+which owns the stream, synchronizes before it reports the generation stopped.
+A pause synchronizes in place (the pace's ``on_pause``) and blocks inside the
+checkpoint, so the KV cache, the sampler key and a queued decode step all
+survive it and resume continues with exactly the tokens an uninterrupted run
+gives.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from ..control import Pace
+from ..loading.store import LoadedModel, ModelStore
+from .chunks import ChunkPlanner, builds_kernels_per_shape
+from .pieces import prefill_runner
+from .prompt import prepare_prompt
+from .request import GenerationRequest
+from .sampling import make_sampler
+from .states import State
+from .stats import FinishReason, GenerationStats
+
+# A chunk is sized to this share of the budget: per-token cost grows with the
+# prompt position (attention), so the next chunk runs a bit slower than the last.
+BUDGET_SHARE = 0.7
+# Decode keeps a second step queued only while two steps fit this share of the
+# budget: a stop that lands while the worker waits for one token also waits
+# for the step queued behind it.
+DECODE_BUDGET_SHARE = 0.8
+# Weight of the newest decode step in the running step-time average.
+STEP_EMA = 0.2
+
+
+class Sink(Protocol):
+    """Where the engine reports what happens (the worker's reporter for one generation)."""
+
+    stats: GenerationStats
+
+    def set_state(self, state: State) -> None: ...
+
+    def progress(self, phase: str, done: int, total: int) -> None: ...
+
+    def emit(self, token_ids: list[int], text: str) -> None: ...
+
+
+class Engine:
+    """Runs generations on the calling thread, which must own ``stream``.
+
+    Args:
+        store: Loaded models.
+        stream: The MLX stream all work goes to.
+    """
+
+    def __init__(self, store: ModelStore, stream: mx.Stream) -> None:
+        self.store = store
+        self.stream = stream
+
+    def run(self, request: GenerationRequest, pace: Pace, sink: Sink) -> FinishReason:
+        """Run one generation to its end; return why it ended.
+
+        Raises:
+            Cancelled: A stop was requested (the caller synchronizes).
+            MLXNotebookError: Bad input found while preparing.
+            RuntimeError: An MLX error.
+        """
+        start = time.perf_counter()
+        mx.reset_peak_memory()
+        with mx.stream(self.stream):
+            sink.set_state(State.LOADING)
+            loaded = self.store.get(
+                request.model, pace, progress=lambda done, total: sink.progress("load", done, total)
+            )
+            sink.stats.load_s = time.perf_counter() - start
+            sink.set_state(State.PREFILLING)
+            prompt = prepare_prompt(loaded, request)
+            sink.stats.prompt_tokens = len(prompt)
+            pace.checkpoint()
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(loaded.model)
+            prefill_start = time.perf_counter()
+            prefill(loaded, cache, prompt, pace=pace, sink=sink)
+            return decode(
+                loaded, cache, prompt, request, pace=pace, sink=sink, start=start, prefill_start=prefill_start
+            )
+
+
+def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink) -> None:
+    """Feed all but the last prompt token through the model in adaptive chunks.
+
+    A :class:`~.chunks.ChunkPlanner` sizes each chunk from the measured cost
+    of the recent ones so that one piece of work takes about ``BUDGET_SHARE *
+    pace.budget_s``; it starts from the model's last measurement, or small.
+    """
+    total = len(prompt)
+    to_process = total - 1
+    ids = mx.array(prompt, dtype=mx.uint32)
+    runner = prefill_runner(loaded, cache, pace)
+    sink.stats.prefill_pieces = runner.pieces
+    shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
+    planner = ChunkPlanner(loaded.prefill_cost, shapes)
+    done = 0
+    sink.progress("prefill", 0, total)
+    while done < to_process:
+        target = pace.budget_s * BUDGET_SHARE * runner.chunk_budget_factor
+        n = planner.next_chunk(target, done, to_process - done)
+        t0 = time.perf_counter()
+        runner.run(ids[None, done : done + n])
+        planner.observe(n, time.perf_counter() - t0, start=done)
+        sink.stats.prefill_pieces = runner.pieces
+        done += n
+        sink.stats.prefill_chunks += 1
+        sink.progress("prefill", done, total)
+        mx.clear_cache()
+        pace.checkpoint()
+    if planner.cost is not None:
+        loaded.prefill_cost = planner.cost
+
+
+def decode(
+    loaded: LoadedModel,
+    cache: list[Any],
+    prompt: list[int],
+    request: GenerationRequest,
+    *,
+    pace: Pace,
+    sink: Sink,
+    start: float,
+    prefill_start: float,
+) -> FinishReason:
+    """Generate token by token; return why it ended.
+
+    Like mlx-lm, the next step's graph is built while the device computes the
+    current token. Whether that step is also queued on the device before the
+    current token is read (two steps in flight, mlx-lm's pipelining) depends
+    on the budget: a stop that lands while the worker waits for a token waits
+    for the queued step too, so the second step is queued only while two
+    steps fit ``DECODE_BUDGET_SHARE`` of the budget. Otherwise it is submitted
+    after the checkpoint, and a stop waits for at most one step.
+    """
+    model = loaded.model
+    sample = make_sampler(request)
+    eos = set(loaded.tokenizer.eos_token_ids)
+    detokenizer = loaded.tokenizer.detokenizer
+    detokenizer.reset()
+    stats = sink.stats
+
+    def step(inputs: mx.array) -> mx.array:
+        logits = model(inputs[None], cache=cache)[:, -1, :]
+        return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    y = step(mx.array(prompt[-1:], dtype=mx.uint32))
+    mx.async_eval(y)
+    # One step in flight until a step time is measured.
+    stats.decode_in_flight = 1
+    first_token_at: float | None = None
+    last_token_at = 0.0
+    finish = FinishReason.LENGTH
+    n = 0
+    while True:
+        next_y = step(y) if n + 1 < request.max_tokens else None
+        pipelined = stats.decode_in_flight == 2
+        if next_y is not None and pipelined:
+            # Queued before this token is read: the device works while Python
+            # detokenizes and checks the token.
+            mx.async_eval(next_y)
+        tok = y.item()
+        now = time.perf_counter()
+        n += 1
+        if first_token_at is None:
+            first_token_at = now
+            stats.ttft_s = now - start
+            stats.prompt_tps = len(prompt) / max(now - prefill_start, 1e-9)
+            sink.set_state(State.DECODING)
+            sink.progress("prefill", len(prompt), len(prompt))
+        else:
+            _measure_step(stats, now - last_token_at, pace.budget_s)
+        last_token_at = now
+        if tok in eos:
+            finish = FinishReason.EOS
+            break
+        detokenizer.add_token(tok)
+        stats.generated_tokens = n
+        if n > 1:
+            stats.generation_tps = (n - 1) / max(now - first_token_at, 1e-9)
+        if n % 32 == 1:
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        sink.emit([tok], detokenizer.last_segment)
+        if next_y is None:
+            break
+        if n % 256 == 0:
+            mx.clear_cache()
+        pace.checkpoint()
+        if not pipelined:
+            mx.async_eval(next_y)
+        y = next_y
+    detokenizer.finalize()
+    tail = detokenizer.last_segment
+    if tail:
+        sink.emit([], tail)
+    stats.finish_reason = finish
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    return finish
+
+
+def _measure_step(stats: GenerationStats, seconds: float, budget_s: float) -> None:
+    """Update the decode step time and choose how many steps to keep in flight."""
+    step = seconds if stats.decode_step_s is None else (1 - STEP_EMA) * stats.decode_step_s + STEP_EMA * seconds
+    stats.decode_step_s = step
+    stats.decode_in_flight = 2 if 2 * step <= DECODE_BUDGET_SHARE * budget_s else 1
+    stats.budget_below_step = step > budget_s

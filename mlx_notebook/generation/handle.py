@@ -1,0 +1,227 @@
+"""``Generation``: the user's handle on one generation, and the engine's reporter behind it.
+
+A :class:`Generation` is future-like: returned at once, it follows the job
+through its :class:`~.states.State`\\ s and lets any thread pause, resume or
+cancel it. Its public surface is what users call; the worker and the engine
+write to it only through its :class:`Reporter`, which the worker keeps.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..control import CancelToken
+from .request import GenerationRequest
+from .states import State
+from .stats import FinishReason, GenerationStats
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationEvent:
+    """What a listener hears.
+
+    Args:
+        kind: ``"state"``, ``"progress"`` or ``"tokens"``.
+        generation: The generation it is about.
+        state: The state after the event.
+        text: For ``"tokens"``: the new text. Default: ``""``.
+        phase: For ``"progress"``: ``"load"`` or ``"prefill"``. Default: ``""``.
+        done: For ``"progress"``: bytes (load) or tokens (prefill) done. Default: ``0``.
+        total: For ``"progress"``: the total of the same. Default: ``0``.
+    """
+
+    kind: str
+    generation: Generation
+    state: State
+    text: str = ""
+    phase: str = ""
+    done: int = 0
+    total: int = 0
+
+
+Listener = Callable[[GenerationEvent], None]
+
+
+class Generation:
+    """A handle on one queued, running or finished generation.
+
+    Attributes:
+        id: A small integer, unique in the process.
+        request: What was asked.
+        stats: A :class:`~.stats.GenerationStats`, updated as it runs.
+        error: The exception that failed it, or ``None``.
+        token: Its :class:`~mlx_notebook.control.CancelToken`: every stop,
+          pause and resume request and when it took effect.
+        created_at: ``time.time()`` when it was submitted.
+
+    Args:
+        request: What to generate.
+        on_cancel: Called with the handle after a cancel request (the worker
+          drops it from its queue if it has not started).
+    """
+
+    def __init__(self, request: GenerationRequest, on_cancel: Callable[[Generation], None]) -> None:
+        self.id = next(_ids)
+        self.request = request
+        self.stats = GenerationStats()
+        self.error: BaseException | None = None
+        self.token = CancelToken()
+        self.created_at = time.time()
+        self._on_cancel = on_cancel
+        self._state = State.QUEUED
+        self._segments: list[str] = []
+        self._tokens: list[int] = []
+        self._listeners: list[Listener] = []
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Generation #{self.id} {self._state}: {self.stats.generated_tokens} tokens, {len(self.text)} chars>"
+        )
+
+    # -- reading ------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """Its :class:`~.states.State`; equal to ``"queued"``, ``"decoding"``, ``"done"``..."""
+        return self._state
+
+    @property
+    def text(self) -> str:
+        """The text generated so far (readable at any time, also after a stop)."""
+        return "".join(self._segments)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids generated so far (EOS excluded)."""
+        return list(self._tokens)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the generation reached ``stopped``, ``done`` or ``failed``."""
+        return self._done.is_set()
+
+    # -- control --------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Pause at the next checkpoint; the KV cache and sampler are kept."""
+        if not self.finished:
+            self.token.pause()
+
+    def resume(self) -> None:
+        """Continue a paused generation exactly where it stopped."""
+        self.token.resume()
+
+    def cancel(self) -> None:
+        """Stop at the next checkpoint (or drop it from the queue)."""
+        if self.finished:
+            return
+        self.token.cancel()
+        self._on_cancel(self)
+
+    stop = cancel
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished; return whether it finished in time."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait and return the text (partial after a stop).
+
+        Raises:
+            TimeoutError: Not finished within ``timeout`` seconds.
+            Exception: The error that failed the generation.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"generation #{self.id} still {self._state} after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.text
+
+    # -- listeners --------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` on every state change, progress and token.
+
+        Listeners run on the worker thread and must be quick; an exception in
+        one is logged and does not affect the generation.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+
+class Reporter:
+    """The engine's and the worker's side of one :class:`Generation` (the engine's ``Sink``).
+
+    Args:
+        generation: The handle it writes to.
+    """
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self.stats = generation.stats
+
+    @property
+    def state(self) -> State:
+        """The generation's state now."""
+        return self.generation._state
+
+    def set_state(self, state: State) -> None:
+        """Enter ``state`` and tell the listeners (no event when it does not change)."""
+        gen = self.generation
+        if state == gen._state:
+            return
+        gen._state = state
+        self._notify(GenerationEvent("state", gen, state))
+
+    def progress(self, phase: str, done: int, total: int) -> None:
+        """Report ``done`` of ``total`` bytes (``"load"``) or tokens (``"prefill"``)."""
+        gen = self.generation
+        self._notify(GenerationEvent("progress", gen, gen._state, phase=phase, done=done, total=total))
+
+    def emit(self, token_ids: list[int], text: str) -> None:
+        """Append generated tokens and their text."""
+        gen = self.generation
+        gen._tokens.extend(token_ids)
+        if text:
+            gen._segments.append(text)
+        self._notify(GenerationEvent("tokens", gen, gen._state, text=text))
+
+    def finish(self, state: State, error: BaseException | None = None) -> None:
+        """Enter a final state (after the stream was synchronized) and wake the waiters."""
+        gen = self.generation
+        gen.error = error
+        if state is State.STOPPED:
+            gen.stats.finish_reason = FinishReason.STOPPED
+        elif state is State.FAILED:
+            gen.stats.finish_reason = FinishReason.FAILED
+        self.set_state(state)
+        gen._done.set()
+
+    def _notify(self, event: GenerationEvent) -> None:
+        gen = self.generation
+        with gen._lock:
+            listeners = list(gen._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:  # a display bug must never stop the generation
+                log.exception("mlx-notebook listener failed")

@@ -1,0 +1,141 @@
+"""What to generate: one declaration of a request's fields, one validation.
+
+:class:`GenerationRequest` is the only place the options are declared; the
+Python API (:func:`mlx_notebook.generate`) takes them as keywords and the
+magic's traits validate their values with :func:`check_option`.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from ..control import DEFAULT_STOP_BUDGET_S
+from ..errors import InvalidArgumentError
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate. Validated by :meth:`validate` before queueing.
+
+    Args:
+        prompt: The user's prompt, or a list of token ids used as they are
+          (no chat template): exact prompt lengths for benchmarks.
+        model: Model name (see :func:`mlx_notebook.loading.names.resolve`); the model's name is checked by resolving it. Default: ``None``.
+        max_tokens: Most tokens to generate. Default: ``256``.
+        temperature: 0 for greedy. Default: ``0.0``.
+        top_p: Nucleus sampling mass; 1 disables it. Default: ``1.0``.
+        seed: Seed of the sampling key; ``None`` for a random one. Default: ``None``.
+        system: System message for the chat template. Default: ``None``.
+        chat: Apply the model's chat template. Default: ``True``.
+        stop_budget: Target seconds for one piece of work. Default: ``DEFAULT_STOP_BUDGET_S`` (0.1).
+    """
+
+    prompt: str | list[int]
+    model: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    system: str | None = None
+    chat: bool = True
+    stop_budget: float = DEFAULT_STOP_BUDGET_S
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
+        _check_prompt(self.prompt)
+        for name in _CHECKS:
+            check_option(name, getattr(self, name))
+
+
+def option_names() -> list[str]:
+    """The request's options: its fields but the prompt."""
+    return [f.name for f in fields(GenerationRequest) if f.name != "prompt"]
+
+
+def check_option(name: str, value: Any) -> None:
+    """Raise :class:`InvalidArgumentError` when ``value`` is not valid for option ``name``."""
+    check = _CHECKS.get(name)
+    if check is not None:
+        check(name, value)
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, (list, tuple)):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise InvalidArgumentError("a token prompt must be a non-empty list of non-negative integers")
+    elif not isinstance(prompt, str):
+        raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
+    elif not prompt.strip():
+        raise InvalidArgumentError("prompt is empty: give some text to generate from")
+    else:
+        _check_text("prompt", prompt)
+
+
+def _check_optional_text(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{name} must be a string or None, got {type(value).__name__}")
+    _check_text(name, value)
+
+
+def _check_chat(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_text(name: str, text: str) -> None:
+    # Tokenizers take UTF-8 only; a lone surrogate (bytes decoded with
+    # errors="surrogateescape") would fail later, on the worker, with a TypeError.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{name} is not valid UTF-8 text: {text[exc.start]!r} at position {exc.start} is a "
+            "lone surrogate; decode the source bytes with errors='replace'"
+        ) from None
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float,
+    exclusive_minimum: bool = False,
+    maximum: float | None = None,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    low_ok = value > minimum if exclusive_minimum else value >= minimum
+    if not low_ok or (maximum is not None and value > maximum) or math.isinf(value):
+        bound = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
+        if maximum is not None:
+            bound += f" and <= {maximum}"
+        raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
+
+
+def _check_seed(name: str, value: Any) -> None:
+    if value is not None:
+        _check_int(name, value, minimum=0)
+
+
+_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    "max_tokens": lambda name, v: _check_int(name, v, minimum=1),
+    "temperature": lambda name, v: _check_number(name, v, minimum=0.0),
+    "top_p": lambda name, v: _check_number(name, v, minimum=0.0, exclusive_minimum=True, maximum=1.0),
+    "seed": _check_seed,
+    "system": _check_optional_text,
+    "chat": _check_chat,
+    "stop_budget": lambda name, v: _check_number(name, v, minimum=0.0, exclusive_minimum=True),
+}

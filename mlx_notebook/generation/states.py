@@ -1,0 +1,53 @@
+"""The states a generation goes through, as one enum.
+
+::
+
+    queued -> loading -> prefilling -> decoding -> done
+                 \\            \\            \\
+                  +---- paused (and back) ---+
+    any of them -> stopped | failed
+
+``State`` is a ``str`` enum, so ``gen.state == "done"`` keeps working.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class State(str, Enum):
+    """One state of a generation."""
+
+    QUEUED = "queued"
+    LOADING = "loading"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def running(self) -> bool:
+        """Doing work on the device: loading, prefilling or decoding."""
+        return self in RUNNING
+
+    @property
+    def final(self) -> bool:
+        """Stopped, done or failed: nothing will change any more."""
+        return self in FINAL
+
+    @property
+    def stoppable(self) -> bool:
+        """Queued, running or paused: a stop still has something to do."""
+        return not self.final
+
+
+RUNNING = frozenset({State.LOADING, State.PREFILLING, State.DECODING})
+FINAL = frozenset({State.STOPPED, State.DONE, State.FAILED})

@@ -1,0 +1,77 @@
+"""What one generation measured, and why it ended.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    """Why a generation ended (a ``str`` enum: compares equal to its value)."""
+
+    EOS = "stop"  # the model's end-of-sequence token (mlx-lm's name: "stop")
+    LENGTH = "length"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class PrefillPieces(str, Enum):
+    """How prefill work was cut into pieces."""
+
+    CHUNKS = "chunks"  # one piece per prompt chunk
+    LAYERS = "layers"  # groups of layers of a chunk, a checkpoint between groups
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass
+class GenerationStats:
+    """Measurements of one generation.
+
+    Args:
+        prompt_tokens: Tokens in the prepared prompt.
+        generated_tokens: Tokens generated so far (EOS not counted).
+        ttft_s: Seconds from the start of the job (load included) to the first token.
+        prompt_tps: Prompt tokens per second of prefill.
+        generation_tps: Generated tokens per second after the first.
+        peak_memory_gb: MLX peak memory during the job.
+        stop_latency_s: Seconds from the stop request to the parked worker.
+        load_s: Seconds spent loading the model (0 when it was loaded).
+        prefill_pieces: How prefill was cut (:class:`PrefillPieces`).
+        prefill_chunks: Number of prefill chunks run.
+        decode_step_s: Recent seconds per decode step (``None`` before two tokens).
+        decode_in_flight: Decode steps kept queued on the device: 2 (the next
+          step is submitted before the current token is read, as mlx-lm does)
+          or 1, when two steps would not fit the stop budget.
+        budget_below_step: One decode step alone takes longer than the stop
+          budget: a stop waits for that step, over the budget.
+        finish_reason: Why it ended (:class:`FinishReason`), ``None`` while it runs.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    prompt_tps: float | None = None
+    generation_tps: float | None = None
+    peak_memory_gb: float | None = None
+    stop_latency_s: float | None = None
+    load_s: float = 0.0
+    prefill_pieces: PrefillPieces = PrefillPieces.CHUNKS
+    prefill_chunks: int = 0
+    decode_step_s: float | None = None
+    decode_in_flight: int = 2
+    budget_below_step: bool = False
+    finish_reason: FinishReason | None = None

@@ -1,0 +1,226 @@
+"""The models loaded on one worker, and how one is loaded with a stop at every piece.
+
+Loading builds the model with lazy weights, then evaluates its parameters in
+budget-sized batches (:mod:`.budgeted`) while the tokenizer loads on a helper
+thread (:mod:`.tokenizer`), with a checkpoint of the generation's
+:class:`~mlx_notebook.control.Pace` between every two pieces. A stopped load
+keeps nothing.
+
+Everything here runs on the worker thread (MLX streams belong to threads).
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..control import Cancelled, Pace, unpaced
+from ..errors import ModelFormatError
+from . import gguf, weight_blocks
+from .budgeted import ProgressCallback, dequantize_to_float32, evaluate_parameters
+from .helper_thread import HelperJob, import_mlx_lm
+from .names import ModelSource, SourceKind, cache_dir, resolve
+from .policy import read_in_blocks, use_cpu_fast_path
+
+
+class StreamingDetokenizer(Protocol):
+    """mlx-lm's streaming detokenizer, as the engine uses it."""
+
+    last_segment: str
+
+    def reset(self) -> None: ...
+
+    def add_token(self, token: int) -> None: ...
+
+    def finalize(self) -> None: ...
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (mlx-lm's ``TokenizerWrapper`` has it all)."""
+
+    eos_token_ids: Iterable[int]
+    has_chat_template: bool
+
+    @property
+    def detokenizer(self) -> StreamingDetokenizer: ...
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+@dataclass
+class LoadedModel:
+    """A model in memory, ready to generate.
+
+    Args:
+        source: What was loaded.
+        model: The mlx-lm model.
+        tokenizer: mlx-lm's ``TokenizerWrapper`` (or anything with its interface).
+        config: The model's config dict.
+        nbytes: Bytes of parameters.
+        load_s: Seconds the load took.
+        prefill_cost: The prefill chunk planner's ``(fixed_s, per_token_s)``
+          from the last generation, so the next starts with right-sized
+          chunks. Default: ``None`` (not measured yet).
+        prefill_shapes_seen: ``(start, size)`` of the prefill chunks run so
+          far (devices that build kernels per shape). Default: empty.
+        layer_pieces: Cut prefill chunks between groups of layers where the
+          model's layout allows; ``False`` runs whole chunks (benchmarks
+          compare both). Default: ``True``.
+    """
+
+    source: ModelSource
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    nbytes: int
+    load_s: float
+    prefill_cost: tuple[float, float] | None = None
+    prefill_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
+    layer_pieces: bool = True
+
+
+class ModelStore:
+    """The models loaded on one worker, keyed by resolved path.
+
+    Args:
+        cache: Folder for converted GGUF models. Default: :func:`cache_dir`.
+    """
+
+    def __init__(self, cache: Path | None = None) -> None:
+        self.cache = Path(cache) if cache is not None else cache_dir()
+        self._models: dict[str, LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, name: str | None) -> ModelSource:
+        """Like :func:`.names.resolve`, but also knows models added with :meth:`register`."""
+        if isinstance(name, str):
+            with self._lock:
+                for loaded in self._models.values():
+                    if loaded.source.kind is SourceKind.MEMORY and loaded.source.name == name:
+                        return loaded.source
+        return resolve(name)
+
+    def register(
+        self, name: str, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any] | None = None
+    ) -> LoadedModel:
+        """Add a model built in memory (benchmarks, tests) under ``name``.
+
+        Call it on the worker thread (``worker.call``) so that the model's
+        arrays are evaluated on the worker's stream.
+        """
+        model.eval()
+        nbytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        source = ModelSource(name, SourceKind.MEMORY, Path(f"<memory:{name}>"))
+        loaded = LoadedModel(source, model, tokenizer, dict(config or {}), nbytes, 0.0)
+        with self._lock:
+            self._models[source.key] = loaded
+        return loaded
+
+    def loaded(self) -> list[LoadedModel]:
+        """The models in memory now (safe from any thread)."""
+        with self._lock:
+            return list(self._models.values())
+
+    def get(
+        self, name: str | None, pace: Pace | None = None, *, progress: ProgressCallback | None = None
+    ) -> LoadedModel:
+        """Return the loaded model for ``name``, loading it if needed.
+
+        Args:
+            name: A model name (see :func:`.names.resolve`).
+            pace: Checkpoint and budget of the load. Default: one nobody stops.
+            progress: Called with ``(bytes_done, bytes_total)``. Default: ``None``.
+
+        Raises:
+            ModelNotFoundError, ModelFormatError: The name or file is bad.
+            Cancelled: A stop was requested; nothing is kept.
+        """
+        source = self.resolve(name)
+        with self._lock:
+            found = self._models.get(source.key)
+        if found is not None:
+            return found
+        loaded = self._load(source, pace or unpaced(), progress)
+        with self._lock:
+            self._models[source.key] = loaded
+        return loaded
+
+    def unload(self, name: str | None) -> bool:
+        """Forget a loaded model; return whether one was loaded."""
+        key = self.resolve(name).key
+        with self._lock:
+            removed = self._models.pop(key, None)
+        if removed is not None:
+            mx.clear_cache()
+        return removed is not None
+
+    def _load(self, source: ModelSource, pace: Pace, progress: ProgressCallback | None) -> LoadedModel:
+        start = time.perf_counter()
+        folder = source.path
+        if source.kind is SourceKind.GGUF:
+            # Checks the header before MLX parses the file, converts once per
+            # file hash, and reuses the folder after that.
+            folder = gguf.cached_conversion(source.path, self.cache)
+            pace.checkpoint()
+        # The first import takes seconds on a small CPU: off this thread.
+        import_mlx_lm(pace)
+        from mlx_lm.utils import load_model
+
+        try:
+            model, config = load_model(folder, lazy=True)
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            raise _cannot_load(source, exc) from exc
+        # The tokenizer loads on a helper thread while the weights are
+        # evaluated, so it never stands between a stop and its effect.
+        tokenizer_job = HelperJob("mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"))
+        stored = weight_blocks.index_folder(folder) if read_in_blocks(config) else None
+        nbytes = evaluate_parameters(model, pace, progress=progress, stored=stored)
+        try:
+            tokenizer = tokenizer_job.result(pace)
+        except Cancelled:
+            raise
+        except Exception as exc:
+            raise _cannot_load(source, exc) from exc
+        if use_cpu_fast_path(model):
+            dequantize_to_float32(model, pace, progress=progress)
+            # Quantized layers of other kinds (none in the supported families) and
+            # the norms: lazy here, evaluated in batches just below.
+            from mlx_lm.utils import dequantize_model
+
+            dequantize_model(model)
+            model.set_dtype(mx.float32)
+            nbytes = evaluate_parameters(model, pace, progress=progress)
+        model.eval()
+        return LoadedModel(
+            source=source,
+            model=model,
+            tokenizer=tokenizer,
+            config=config,
+            nbytes=nbytes,
+            load_s=time.perf_counter() - start,
+        )
+
+
+def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelFormatError(
+        f"{source.name}: cannot load model ({first}); give an mlx-lm model folder or a llama GGUF file"
+    )
+
+
+def _load_tokenizer(folder: Path, eos_token_ids: Any) -> Tokenizer:
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer: Tokenizer = load_tokenizer(folder, eos_token_ids=eos_token_ids)
+    return tokenizer
