@@ -274,14 +274,24 @@ def test_prompt_longer_than_context_fails_cleanly(worker, tiny_model):
 
 
 def test_listener_errors_do_not_break_generation(worker, tiny_model):
+    expected = reference(worker, tiny_model, max_tokens=10)
+    # Hold the worker so the broken listener is attached before the generation starts.
+    started, release = threading.Event(), threading.Event()
+    threading.Thread(target=worker.call, args=(lambda store: (started.set(), release.wait(60)),), daemon=True).start()
+    assert started.wait(30)
     gen = run(worker, tiny_model, max_tokens=10)
+    calls = []
 
     def broken(event):
+        calls.append(event.kind)
         raise ValueError("display bug")
 
     gen.add_listener(broken)
+    release.set()
     gen.result(timeout=60)
-    assert gen.state == "done"
+    assert gen.state == "done" and gen.tokens == expected
+    # It ran, and raised, on every kind of event.
+    assert {"state", "progress", "tokens"} <= set(calls), calls
 
 
 def test_worker_shutdown_cancels_and_joins(tiny_model):

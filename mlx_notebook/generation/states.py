@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from ..text_enum import TextEnum
 
 
-class State(str, Enum):
+class State(TextEnum):
     """One state of a generation."""
 
     QUEUED = "queued"
@@ -26,12 +26,6 @@ class State(str, Enum):
     STOPPED = "stopped"
     DONE = "done"
     FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def running(self) -> bool:

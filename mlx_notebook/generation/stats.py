@@ -6,10 +6,10 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from ..text_enum import TextEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(TextEnum):
     """Why a generation ended (a ``str`` enum: compares equal to its value)."""
 
     EOS = "stop"  # the model's end-of-sequence token (mlx-lm's name: "stop")
@@ -17,24 +17,12 @@ class FinishReason(str, Enum):
     STOPPED = "stopped"
     FAILED = "failed"
 
-    def __str__(self) -> str:
-        return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-class PrefillPieces(str, Enum):
+class PrefillPieces(TextEnum):
     """How prefill work was cut into pieces."""
 
     CHUNKS = "chunks"  # one piece per prompt chunk
     LAYERS = "layers"  # groups of layers of a chunk, a checkpoint between groups
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclass

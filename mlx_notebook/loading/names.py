@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import Enum
+from ..text_enum import TextEnum
 from pathlib import Path
 
 from ..errors import ModelFormatError, ModelNotFoundError
@@ -21,7 +21,7 @@ from . import gguf
 DEFAULT_ALIASES = ("default", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
 
 
-class SourceKind(str, Enum):
+class SourceKind(TextEnum):
     """What a :class:`ModelSource` is."""
 
     GGUF = "gguf"

@@ -135,7 +135,7 @@ def _serve() -> None:
             if k == "tokenmap":
                 tokenmap = v
             elif v is tok:
-                dstate[k] = _TOKENIZER_SLOT
+                dstate[k] = _SLOT
             else:
                 dstate[k] = v
         if not _picklable(dstate) or not _picklable(type(detok)):
@@ -182,18 +182,8 @@ def _serve() -> None:
             _send(out, _error(exc))
 
 
-class _TokenizerSlot:
-    """Stands for the tokenizer inside a transferred detokenizer's state."""
-
-    def __reduce__(self):
-        return (_tokenizer_slot, ())
-
-
-def _tokenizer_slot() -> "_TokenizerSlot":
-    return _TOKENIZER_SLOT
-
-
-_TOKENIZER_SLOT = _TokenizerSlot()
+# Stands for the tokenizer inside a transferred detokenizer's state.
+_SLOT = "\x00mlx_notebook.loading.tokenizer:tokenizer\x00"
 
 
 # -- this process --------------------------------------------------------------
@@ -255,14 +245,16 @@ class _Child:
             if ready:
                 return
 
-    def request(self, *req: Any) -> Any:
+    def request_raw(self, *req: Any) -> tuple:
         with self.lock:
             try:
                 _send(self.out, req)
             except OSError as exc:
                 raise self.died() from exc
-            reply = self.recv()
-        return _unwrap(reply)
+            return self.recv()
+
+    def request(self, *req: Any) -> Any:
+        return _unwrap(self.request_raw(*req))
 
     def close(self) -> None:
         _close(self.proc, self.stderr)
@@ -323,16 +315,10 @@ class RemoteTokenizer:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        kind = self._child.request("getattr", name)
-        return _RemoteMethod(self._child, name) if kind is None and self._is_callable(name) else kind
-
-    def _is_callable(self, name: str) -> bool:
-        # ``request`` returns None both for a None attribute and for a
-        # callable; ask again with the raw reply to tell them apart.
-        with self._child.lock:
-            _send(self._child.out, ("getattr", name))
-            reply = self._child.recv()
-        return reply[0] == "callable"
+        reply = self._child.request_raw("getattr", name)
+        if reply[0] == "callable":
+            return _RemoteMethod(self._child, name)
+        return _unwrap(reply)
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._child.request("setattr", name, value)
@@ -422,7 +408,7 @@ def load_tokenizer(folder: Path, eos_token_ids, *, wait: Callable[[], None]):
         remote = RemoteTokenizer(child)
         detok = detok_class.__new__(detok_class)
         for k, v in dstate.items():
-            detok.__dict__[k] = remote if isinstance(v, _TokenizerSlot) else v
+            detok.__dict__[k] = remote if isinstance(v, str) and v == _SLOT else v
         if tokenmap is not None:
             detok.tokenmap = tokenmap
         wrapper = _wrapper_class.__new__(_wrapper_class)
@@ -430,7 +416,8 @@ def load_tokenizer(folder: Path, eos_token_ids, *, wait: Callable[[], None]):
             object.__setattr__(wrapper, k, v)
         object.__setattr__(wrapper, "_tokenizer", remote)
         object.__setattr__(wrapper, "_detokenizer", detok)
-        weakref.finalize(wrapper, _close, child.proc, child.stderr)
+        # Ends the child once nothing (wrapper, detokenizer copies) uses it.
+        weakref.finalize(child, _close, child.proc, child.stderr)
         done = True
         return wrapper
     finally:
