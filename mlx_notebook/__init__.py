@@ -25,7 +25,6 @@ preload_openblas()
 
 import inspect  # noqa: E402
 from dataclasses import MISSING, fields  # noqa: E402
-from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 from typing import Any  # noqa: E402
 
 from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken, Pace  # noqa: E402
@@ -42,10 +41,7 @@ from .generation.stats import FinishReason, GenerationStats  # noqa: E402
 from .generation.worker import Worker, default_worker  # noqa: E402
 from .loading.store import Tokenizer  # noqa: E402
 
-try:
-    __version__ = version("mlx-notebook")
-except PackageNotFoundError:  # imported from a checkout that was never installed
-    __version__ = "0+unknown"
+from ._version import __version__  # noqa: E402
 
 
 def generate(prompt: str | list[int], *, worker: Worker | None = None, **options: Any) -> Generation:

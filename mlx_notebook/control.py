@@ -84,6 +84,7 @@ class CancelToken:
             if self._cancelled:
                 return
             self._cancelled = True
+            self._paused = False  # a stop ends a pause: a later resume() has nothing to undo
             self.events.append(ControlEvent("cancel", time.perf_counter()))
             self._cond.notify_all()
 

@@ -44,3 +44,15 @@ def worker():
     w = mlx_notebook.Worker()
     yield w
     assert w.shutdown(timeout=60), "worker thread did not end"
+
+
+# Test files that drive a real Jupyter kernel in every test.
+_KERNEL_MODULES = {"test_kernel", "test_faults"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark kernel tests by what they use, so ``-m kernel`` / ``-m 'not kernel'`` select them."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in _KERNEL_MODULES or "kernel" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kernel)

@@ -1,10 +1,12 @@
-"""Prefill chunk planning (``engine.ChunkPlanner``): sizes that fit the budget, on repeatable boundaries."""
+"""Prefill chunk planning (``generation.chunks.ChunkPlanner``): sizes that fit the budget, on repeatable boundaries."""
 
 from __future__ import annotations
 
 import pytest
 
 from mlx_notebook.generation.chunks import MAX_PREFILL_CHUNK, ChunkPlanner
+
+pytestmark = pytest.mark.unit
 
 
 def simulate(planner: ChunkPlanner, tokens: int, target_s: float, device):

@@ -253,6 +253,7 @@ def test_tiny_bf16_is_exact(tmp_path: Path, offline: None) -> None:
     mlx_logits(folder, IDS)  # runs
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("encode,bits", [(gw.q8_0, 8), (gw.q4_0, 4), (gw.q4_1, 4)])
 def test_quantized_blocks_match_numpy(tmp_path: Path, encode: Encoder, bits: int) -> None:
     x = np.random.default_rng(1).standard_normal((6, 96)).astype(np.float32) * 3
@@ -311,6 +312,7 @@ def test_tiny_tokenizer(tmp_path: Path, offline: None) -> None:
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.unit
 def test_pre_tokenizer_follows_metadata(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
@@ -320,6 +322,7 @@ def test_pre_tokenizer_follows_metadata(tmp_path: Path) -> None:
     assert tok.encode("12").tokens == ["12"]  # GPT-2's regex keeps digit runs together
 
 
+@pytest.mark.unit
 def test_out_of_range_special_ids_are_ignored(tmp_path: Path) -> None:
     # llama.cpp warns and ignores them; failing would refuse files it runs.
     write_tiny(tmp_path / "tiny.gguf", **{"tokenizer.ggml.padding_token_id": 10**6,
@@ -342,6 +345,7 @@ def test_add_bos_token(tmp_path: Path, offline: None) -> None:
 # ------------------------------------------------------ conversion safety
 
 
+@pytest.mark.unit
 def test_out_dir_rules(tmp_path: Path) -> None:
     write_tiny(tmp_path / "tiny.gguf")
     (tmp_path / "busy").mkdir()
@@ -438,6 +442,7 @@ def test_cache_race_keeps_the_folder_finished_first(tmp_path: Path,
     assert {p.name for p in cache.iterdir()} == {"gguf-digests.json", folder.name}
 
 
+@pytest.mark.unit
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="nope.gguf: no such file"):
         gguf.check_gguf(tmp_path / "nope.gguf")
@@ -556,6 +561,7 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
 BAD_FILES = bad_files()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(BAD_FILES))
 def test_bad_file_is_rejected_in_one_line(tmp_path: Path, name: str) -> None:
     data, expect = BAD_FILES[name]
@@ -570,6 +576,7 @@ def test_bad_file_is_rejected_in_one_line(tmp_path: Path, name: str) -> None:
     assert "; " in message  # every message ends with what to do instead
 
 
+@pytest.mark.unit
 def test_valid_tiny_file_passes(tmp_path: Path) -> None:
     data, layout = _tiny_bytes()
     (tmp_path / "ok.gguf").write_bytes(data)
@@ -620,6 +627,7 @@ def test_bad_files_never_reach_mx_load(tmp_path: Path) -> None:
     assert not any(p.name.endswith(".out") for p in tmp_path.iterdir())
 
 
+@pytest.mark.unit
 def test_fuzzed_headers_never_crash(tmp_path: Path) -> None:
     """Random byte flips in the header: each file is rejected or loads; none crash MLX."""
     data, layout = _tiny_bytes(TinyConfig(layers=1, hidden=32, intermediate=32, heads=2))

@@ -71,6 +71,7 @@ def wait_until(predicate: Any, timeout: float = 30.0) -> None:
 # -- interpolation --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "template, expected",
     [
@@ -89,6 +90,7 @@ def test_interpolate(template: str, expected: str) -> None:
     assert interpolate(template, {"topic": "rivers", "doc": doc, "n": 3}) == expected
 
 
+@pytest.mark.unit
 def test_unknown_variable_is_a_clear_error() -> None:
     with pytest.raises(UnknownVariableError) as err:
         interpolate("Tell me about {nme}.", {"name": 1})
@@ -181,6 +183,7 @@ def test_extension_load_unload_is_idempotent(ip: Any) -> None:
     unload(ip)  # harmless when not loaded
 
 
+@pytest.mark.unit
 def test_help_is_generated_from_the_arguments() -> None:
     doc = MLXGen.mlxgen.__doc__
     assert doc.lstrip(": \n").startswith("%%mlxgen [")
@@ -292,6 +295,7 @@ def test_views_show_a_finished_generation(worker: mlx_notebook.Worker, tiny_mode
     assert bundle.metadata["mlx_notebook"] == {"id": gen.id, "state": "done", "chars": len(gen.text)}
 
 
+@pytest.mark.unit
 def test_display_router_resends_finals_sent_while_idle() -> None:
     sent: List[str] = []
     view = SimpleNamespace(publish_final=lambda: sent.append("final"))
@@ -306,6 +310,7 @@ def test_display_router_resends_finals_sent_while_idle() -> None:
     assert sent == ["final"]
 
 
+@pytest.mark.unit
 def test_choose_ui() -> None:
     assert choose_ui("auto", SimpleNamespace()) == "terminal"
     kernel_shell = SimpleNamespace(kernel=object())

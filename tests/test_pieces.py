@@ -1,0 +1,107 @@
+"""Prefill pieces on a small in-memory llama (no model file): layer groups pause, stop and restore cleanly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlx_notebook.control import Cancelled, CancelToken, Pace
+from mlx_notebook.generation.pieces import ChunkRunner, LayerRunner
+from mlx_notebook.generation.stats import PrefillPieces
+
+pytestmark = pytest.mark.unit
+
+
+def tiny_llama():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs.from_dict(
+        {
+            "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 6, "intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97,
+            "rope_theta": 10000.0, "tie_word_embeddings": True,
+        }
+    )
+    mx.random.seed(3)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def cache_of(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def states(cache) -> list:
+    return [mx.array(s) for c in cache for s in c.state]
+
+
+PROMPT = mx.array([[5, 9, 2, 44, 17, 3, 8, 61, 12, 7, 30, 1]])
+
+
+def test_layer_groups_fill_the_same_cache_as_one_chunk() -> None:
+    model = tiny_llama()
+    whole, grouped = cache_of(model), cache_of(model)
+    ChunkRunner(model, whole).run(PROMPT)
+    pace = Pace(CancelToken(), 1e-6)  # a tiny budget: one layer per group
+    runner = LayerRunner(model.model, model, grouped, pace)
+    runner.run(PROMPT)
+    assert runner.pieces is PrefillPieces.LAYERS and runner.group == 1
+    for a, b in zip(states(whole), states(grouped)):
+        assert mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_stop_between_groups_restores_the_layers() -> None:
+    model = tiny_llama()
+    layers = list(model.model.layers)
+    token = CancelToken()
+    seen = []
+
+    def on_group() -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            token.cancel()
+
+    pace = Pace(token, 1e-6, on_pause=None)
+    runner = LayerRunner(model.model, model, cache_of(model), pace)
+    real = runner._hook
+
+    def counting(index, hidden):
+        real(index, hidden)
+        on_group()
+
+    runner._hook = counting  # type: ignore[method-assign]
+    with pytest.raises(Cancelled):
+        runner.run(PROMPT)
+    assert model.model.layers == layers, "the real layer list must be back after a stop"
+    # The model still works and gives what a fresh cache gives.
+    again, fresh = cache_of(model), cache_of(model)
+    ChunkRunner(model, again).run(PROMPT)
+    ChunkRunner(model, fresh).run(PROMPT)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(states(again), states(fresh)))
+
+
+def test_pause_inside_a_chunk_blocks_then_finishes_the_same() -> None:
+    model = tiny_llama()
+    reference = cache_of(model)
+    ChunkRunner(model, reference).run(PROMPT)
+    token = CancelToken()
+    paused = threading.Event()
+    pace = Pace(token, 1e-6, on_pause=paused.set)
+    cache = cache_of(model)
+    runner = LayerRunner(model.model, model, cache, pace)
+    token.pause()
+    thread = threading.Thread(target=runner.run, args=(PROMPT,))
+    thread.start()
+    assert paused.wait(10)
+    time.sleep(0.02)
+    assert thread.is_alive(), "a pause must hold the forward pass"
+    token.resume()
+    thread.join(10)
+    for a, b in zip(states(reference), states(cache)):
+        assert mx.allclose(a, b, atol=1e-5).item()
