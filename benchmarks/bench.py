@@ -31,15 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlx.core as mx
 
-import mlx_notebook  # noqa: E402  (first: binds MLX to OpenBLAS when present)
-import mlx.core as mx  # noqa: E402
+import mlx_notebook
 
 SYNTHETIC = {
     # Llama-3-8B's shape, random bf16 weights (16 GB).
-    "llama3-8b": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, dtype="bfloat16"
-    ),
+    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, dtype="bfloat16"),
     # Small enough for a CPU smoke run of this script.
     "tiny": dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=512, vocab=4096, dtype="float32"),
 }
@@ -70,6 +68,7 @@ def build_synthetic(name: str, folder: Path, context: int) -> str:
 
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
+
     from testkit.tiny_model import make_tiny_model
 
     shape = SYNTHETIC[name]
@@ -135,7 +134,7 @@ def plain_mlx_lm(worker, name, ids, max_tokens, prefill_step_size=2048):
     def job(store):
         loaded = store.get(name)
         last = None
-        for last in stream_generate(
+        for last in stream_generate(  # noqa: B007  (the last response is the one kept)
             loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, prefill_step_size=prefill_step_size
         ):
             pass
@@ -274,8 +273,8 @@ def main() -> None:
                 s = part["stop"][phase]["external"]
                 if s["n"]:
                     print(
-                        f"{length} {pieces} stop {phase}: n={s['n']} p50={s['p50']*1e3:.1f} ms "
-                        f"p95={s['p95']*1e3:.1f} ms p99={s['p99']*1e3:.1f} ms max={s['max']*1e3:.1f} ms",
+                        f"{length} {pieces} stop {phase}: n={s['n']} p50={s['p50'] * 1e3:.1f} ms "
+                        f"p95={s['p95'] * 1e3:.1f} ms p99={s['p99'] * 1e3:.1f} ms max={s['max'] * 1e3:.1f} ms",
                         flush=True,
                     )
                 save(result, args.out)

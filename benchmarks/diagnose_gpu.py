@@ -9,13 +9,12 @@ two budgets. Each prints prefill and decode tokens/s.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
-from mlx_notebook.generation.pieces import LayerRunner  # noqa: E402
+from benchmarks import bench
+from mlx_notebook.generation.pieces import LayerRunner
 
 
 def main() -> None:
@@ -30,12 +29,15 @@ def main() -> None:
     worker, name, vocab, _ = bench.open_model("", args.synthetic, max(lengths), Path(tmp.name))
     for length in lengths:
         ids = bench.prompt_ids(length, vocab, seed=length)
-        for rep in range(args.repeats):
+        for _rep in range(args.repeats):
             for step in (2048, 1000):
                 p = bench.plain_mlx_lm(worker, name, ids, args.decode_tokens, prefill_step_size=step)
                 print(f"{length} plain step={step} prefill {p[0]:8.0f} decode {p[1]:6.1f}", flush=True)
             for pieces, budget, in_flight in (
-                ("layers", 0.2, 1), ("layers", 0.01, 1), ("layers", 0.01, 2), ("chunks", 0.01, 1),
+                ("layers", 0.2, 1),
+                ("layers", 0.01, 1),
+                ("layers", 0.01, 2),
+                ("chunks", 0.01, 1),
             ):
                 if True:
                     LayerRunner.max_in_flight = in_flight

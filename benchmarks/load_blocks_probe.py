@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
-from mlx_notebook.loading import weight_blocks  # noqa: E402  (first: binds MLX to OpenBLAS when present)
-import mlx.core as mx  # noqa: E402
+from mlx_notebook.loading import weight_blocks
 
 
 def timed(fn):
@@ -92,8 +91,10 @@ def main():
             joined = mx.concatenate(blocks)
             _, t_join = timed(lambda: mx.eval(joined))
             del blocks
-            print(f"[{rep}] {label} ({step} rows): {spread(times)}; join {t_join:.1f} ms; {first_matmul(joined)}",
-                  flush=True)
+            print(
+                f"[{rep}] {label} ({step} rows): {spread(times)}; join {t_join:.1f} ms; {first_matmul(joined)}",
+                flush=True,
+            )
             del joined
             mx.clear_cache()
 
@@ -102,7 +103,7 @@ def main():
         _, t_zero = timed(lambda: mx.eval(out))
 
         def update(fd, stored, first, count):
-            out[first:first + count] = numpy_rows(fd, stored, first, count)
+            out[first : first + count] = numpy_rows(fd, stored, first, count)
             mx.eval(out)
 
         _, times = read_in_blocks(stored, step, update)

@@ -40,8 +40,11 @@ def main() -> None:
                 reverse=True,
             )
             top = [(round(g * 1000), i, round(d / 1e6), round(t / 1e6)) for g, i, d, t in gaps[:4]]
-            print(f"load {time.perf_counter() - t0:.2f} s, {len(stamps)} progress events; "
-                  f"longest gaps (ms, index, MB done, MB total): {top}", flush=True)
+            print(
+                f"load {time.perf_counter() - t0:.2f} s, {len(stamps)} progress events; "
+                f"longest gaps (ms, index, MB done, MB total): {top}",
+                flush=True,
+            )
             worker.call(lambda store: store.unload(None))
     finally:
         worker.shutdown()

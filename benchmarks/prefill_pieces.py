@@ -12,14 +12,13 @@ random-weight model of ``bench.py`` instead.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
-import mlx_notebook  # noqa: E402
-from mlx_notebook.generation import pieces  # noqa: E402
+import mlx_notebook
+from benchmarks import bench
+from mlx_notebook.generation import pieces
 
 
 def main() -> None:
@@ -43,15 +42,18 @@ def main() -> None:
 
     pieces.LayerRunner._hook = timed_hook
     try:
-        gen = mlx_notebook.generate(bench.prompt_ids(args.length, vocab), model=name, max_tokens=1,
-                                    stop_budget=args.budget, worker=worker)
+        gen = mlx_notebook.generate(
+            bench.prompt_ids(args.length, vocab), model=name, max_tokens=1, stop_budget=args.budget, worker=worker
+        )
         gen.result()
     finally:
         worker.shutdown()
     target = args.budget / (pieces.LayerRunner.max_in_flight + 1)
     longest = [round(w * 1000, 1) for w in sorted(waits, reverse=True)[:5]]
-    print(f"{args.length} tokens, {gen.stats.prefill_chunks} chunks, {len(waits)} group waits, "
-          f"{gen.stats.prompt_tps:.0f} tok/s; longest waits ms {longest} (target {target * 1000:.0f} ms)")
+    print(
+        f"{args.length} tokens, {gen.stats.prefill_chunks} chunks, {len(waits)} group waits, "
+        f"{gen.stats.prompt_tps:.0f} tok/s; longest waits ms {longest} (target {target * 1000:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def plots(result: dict, folder: Path, stem: str) -> list:
     for phase, marker in (("load", "s"), ("prefill", "o"), ("decode", "^")):
         xs, p50, p99 = [], [], []
         for length, entry in result["lengths"].items():
-            for pieces, part in entry.items():
+            for _pieces, part in entry.items():
                 stop = part.get("stop", {}).get(phase)
                 if stop and stop["external"]["n"]:
                     xs.append(int(length))

@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import bench  # noqa: E402  (imports mlx_notebook first)
-import mlx_notebook  # noqa: E402
-from mlx_notebook import control  # noqa: E402
-from mlx_notebook.generation import worker as worker_module  # noqa: E402
+import mlx_notebook
+from benchmarks import bench
+from mlx_notebook import control
+from mlx_notebook.generation import worker as worker_module
 
 marks: dict = {}
 
@@ -114,8 +114,13 @@ def main() -> None:
             for _ in range(2):
                 mlx_notebook.generate(ids, model=name, max_tokens=4, stop_budget=args.budget, worker=worker).result()
             for phase in args.phases.split(","):
-                rows = [r for r in (stop_once(worker, name, ids, phase, args.budget, rng, args.window)
-                                    for _ in range(args.rounds)) if r]
+                rows = [
+                    r
+                    for r in (
+                        stop_once(worker, name, ids, phase, args.budget, rng, args.window) for _ in range(args.rounds)
+                    )
+                    if r
+                ]
                 for part in ("total", "piece", "between", "queued", "finish", "wake"):
                     values = [r[part] for r in rows]
                     s = bench.summary(values)
@@ -124,8 +129,9 @@ def main() -> None:
     finally:
         worker.shutdown()
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "budget": args.budget, "results": results},
-                                       indent=1))
+        args.out.write_text(
+            json.dumps({"command": " ".join(sys.argv), "budget": args.budget, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def main() -> None:
         )
         rows = {"widget": [], "none": []}
         for r in range(args.repeats + 1):
-            for kind in (["widget", "none"] if r % 2 else ["none", "widget"]):
+            for kind in ["widget", "none"] if r % 2 else ["none", "widget"]:
                 if kind == "widget":
                     code = f"%%mlxgen --wait -n {args.tokens} -o g\n{PROMPT}"
                     run_cell(client, code)
@@ -64,8 +64,12 @@ def main() -> None:
                     rows[kind].append(tps)
                 print(kind, f"{tps:.2f} tok/s", flush=True)
         med = {k: statistics.median(v) for k, v in rows.items()}
-        result = {"decode_tps": rows, "median": med, "ratio_widget_over_none": med["widget"] / med["none"],
-                  "command": " ".join(sys.argv)}
+        result = {
+            "decode_tps": rows,
+            "median": med,
+            "ratio_widget_over_none": med["widget"] / med["none"],
+            "command": " ".join(sys.argv),
+        }
         print(json.dumps(result, indent=2))
         if args.out:
             args.out.write_text(json.dumps(result, indent=2))

@@ -23,25 +23,24 @@ from .loading.blas import active_blas, preload_openblas
 
 preload_openblas()
 
-import inspect  # noqa: E402
-from dataclasses import MISSING, fields  # noqa: E402
-from typing import Any  # noqa: E402
+import inspect
+from dataclasses import MISSING, fields
+from typing import Any
 
-from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken, Pace  # noqa: E402
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken, Pace
+from .errors import (
     InvalidArgumentError,
     MLXNotebookError,
     ModelFormatError,
     ModelNotFoundError,
 )
-from .generation.handle import Generation, GenerationEvent  # noqa: E402
-from .generation.request import GenerationRequest, option_names  # noqa: E402
-from .generation.states import State  # noqa: E402
-from .generation.stats import FinishReason, GenerationStats  # noqa: E402
-from .generation.worker import Worker, default_worker  # noqa: E402
-from .loading.store import Tokenizer  # noqa: E402
-
-from ._version import __version__  # noqa: E402
+from .generation.handle import Generation, GenerationEvent
+from .generation.request import GenerationRequest, option_names
+from .generation.states import State
+from .generation.stats import FinishReason, GenerationStats
+from .generation.worker import Worker, default_worker
+from .loading.store import Tokenizer
 
 
 def generate(prompt: str | list[int], *, worker: Worker | None = None, **options: Any) -> Generation:
@@ -65,9 +64,7 @@ def generate(prompt: str | list[int], *, worker: Worker | None = None, **options
     """
     unknown = sorted(set(options) - set(option_names()))
     if unknown:
-        raise TypeError(
-            f"generate() got unknown option {unknown[0]!r}; the options are: {', '.join(option_names())}"
-        )
+        raise TypeError(f"generate() got unknown option {unknown[0]!r}; the options are: {', '.join(option_names())}")
     return (worker or _worker()).submit(GenerationRequest(prompt, **options))
 
 
@@ -111,6 +108,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 __all__ = [
+    "__version__",
     "DEFAULT_STOP_BUDGET_S",
     "Cancelled",
     "CancelToken",

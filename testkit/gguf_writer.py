@@ -23,9 +23,19 @@ import numpy as np
 # GGUF metadata value types.
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY = range(10)
 UINT64, INT64, FLOAT64 = 10, 11, 12
-_SCALAR = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I",
-           INT32: "<i", FLOAT32: "<f", BOOL: "<?", UINT64: "<Q", INT64: "<q",
-           FLOAT64: "<d"}
+_SCALAR = {
+    UINT8: "<B",
+    INT8: "<b",
+    UINT16: "<H",
+    INT16: "<h",
+    UINT32: "<I",
+    INT32: "<i",
+    FLOAT32: "<f",
+    BOOL: "<?",
+    UINT64: "<Q",
+    INT64: "<q",
+    FLOAT64: "<d",
+}
 
 # GGML tensor types used here.
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, BF16 = 0, 1, 2, 3, 8, 12, 30
@@ -117,9 +127,7 @@ def gguf_bytes(
     return bytes(out), layout
 
 
-def write_gguf(
-    path: Path, metadata: dict[str, Any], tensors: list[Tensor], **kwargs: Any
-) -> Layout:
+def write_gguf(path: Path, metadata: dict[str, Any], tensors: list[Tensor], **kwargs: Any) -> Layout:
     """Write :func:`gguf_bytes` to ``path`` and return its layout."""
     data, layout = gguf_bytes(metadata, tensors, **kwargs)
     Path(path).write_bytes(data)
@@ -188,9 +196,7 @@ def q4_1(name: str, array: np.ndarray) -> Tensor:
     inv = np.divide(1.0, d.astype(np.float32), out=np.zeros(len(d), np.float32), where=d != 0)
     q = np.round((x - m.astype(np.float32)[:, None]) * inv[:, None])
     q = np.clip(q, 0, 15).astype(np.uint8)
-    raw = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2), _nibbles(q)], axis=1
-    )
+    raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2), _nibbles(q)], axis=1)
     return Tensor(name, Q4_1, _dims(array), raw.tobytes())
 
 
@@ -205,7 +211,7 @@ def dequantize(tensor: Tensor) -> np.ndarray:
     width = 18 if tensor.ggml_type == Q4_0 else 20
     blocks = raw.reshape(-1, width)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    packed = blocks[:, width - 16:]
+    packed = blocks[:, width - 16 :]
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
     if tensor.ggml_type == Q4_0:
         return (d * (q - 8)).reshape(shape)
@@ -215,8 +221,7 @@ def dequantize(tensor: Tensor) -> np.ndarray:
 
 def byte_alphabet() -> list[str]:
     """GPT-2's 256 byte-level characters, in byte order (byte 0x20 is 'Ġ')."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for byte in range(256):
         if byte in printable:

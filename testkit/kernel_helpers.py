@@ -15,16 +15,17 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from jupyter_client.manager import start_new_kernel
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def kernel_env(**extra: str) -> Dict[str, str]:
+def kernel_env(**extra: str) -> dict[str, str]:
     """The test process's environment, with this checkout importable."""
     env = dict(os.environ)
     path = env.get("PYTHONPATH", "")
@@ -46,8 +47,8 @@ class Reply:
     """
 
     msg_id: str
-    content: Dict[str, Any]
-    outputs: List[Dict[str, Any]] = field(default_factory=list)
+    content: dict[str, Any]
+    outputs: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -57,9 +58,7 @@ class Reply:
     def stream(self, name: str) -> str:
         """All text the cell wrote to ``stdout`` or ``stderr``."""
         return "".join(
-            m["content"]["text"]
-            for m in self.outputs
-            if m["msg_type"] == "stream" and m["content"]["name"] == name
+            m["content"]["text"] for m in self.outputs if m["msg_type"] == "stream" and m["content"]["name"] == name
         )
 
 
@@ -71,9 +70,7 @@ class KernelSession:
         extra_arguments: Extra kernel command-line arguments (e.g. ``--MLXGen.ui=text``).
     """
 
-    def __init__(
-        self, env: Optional[Dict[str, str]] = None, extra_arguments: Optional[List[str]] = None
-    ) -> None:
+    def __init__(self, env: dict[str, str] | None = None, extra_arguments: list[str] | None = None) -> None:
         self.km, self.kc = start_new_kernel(
             kernel_name="python3",
             startup_timeout=120,
@@ -81,7 +78,7 @@ class KernelSession:
             extra_arguments=extra_arguments or [],
         )
         self.process = self.km.provisioner.process  # the Popen, for its exit code
-        self.messages: List[Dict[str, Any]] = []
+        self.messages: list[dict[str, Any]] = []
         self._cond = threading.Condition()
         self._stop = False
         self._collector = threading.Thread(target=self._collect, name="iopub-collector", daemon=True)
@@ -114,7 +111,7 @@ class KernelSession:
                     raise TimeoutError(f"timed out after {timeout} s waiting for {what or predicate}")
                 self._cond.wait(min(left, 0.25))
 
-    def with_parent(self, msg_id: str) -> List[Dict[str, Any]]:
+    def with_parent(self, msg_id: str) -> list[dict[str, Any]]:
         """IOPub messages whose parent is ``msg_id`` (so far)."""
         with self._cond:
             return [m for m in self.messages if m["parent_header"].get("msg_id") == msg_id]
@@ -167,7 +164,7 @@ class KernelSession:
         """Send an execute request without waiting; return its msg_id."""
         return self.kc.execute(code)
 
-    def _reply(self, msg_id: str, timeout: float) -> Dict[str, Any]:
+    def _reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -199,9 +196,9 @@ class KernelSession:
 
     # -- widgets, as a frontend sees them ---------------------------------------------------
 
-    def widgets(self, parent: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+    def widgets(self, parent: str | None = None) -> dict[str, dict[str, Any]]:
         """Widget states by comm id (opened in cell ``parent`` if given), updates applied."""
-        states: Dict[str, Dict[str, Any]] = {}
+        states: dict[str, dict[str, Any]] = {}
         with self._cond:
             messages = list(self.messages)
         for m in messages:
@@ -225,7 +222,7 @@ class KernelSession:
         assert len(found) == 1, f"expected one {model} {match}, found {len(found)}"
         return found[0]
 
-    def send_comm(self, comm_id: str, data: Dict[str, Any]) -> None:
+    def send_comm(self, comm_id: str, data: dict[str, Any]) -> None:
         """Send a ``comm_msg`` on the shell channel, as a widget frontend does."""
         msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
         self.kc.shell_channel.send(msg)
@@ -250,9 +247,9 @@ class KernelSession:
 # -- reading a generation's widget as a frontend sees it ------------------------------------
 
 
-def view(kernel: KernelSession, cell: str) -> Dict[str, Any]:
+def view(kernel: KernelSession, cell: str) -> dict[str, Any]:
     """The current state of the widget that cell ``cell`` displayed."""
-    found: Dict[str, Any] = {}
+    found: dict[str, Any] = {}
     for comm_id, state in kernel.widgets(cell).items():
         model = state.get("_model_name")
         if model == "HTMLModel" and str(state.get("value", "")).startswith("<pre"):
@@ -268,7 +265,7 @@ def view(kernel: KernelSession, cell: str) -> Dict[str, Any]:
     return found
 
 
-def status(kernel: KernelSession, cell: str) -> Tuple[str, int]:
+def status(kernel: KernelSession, cell: str) -> tuple[str, int]:
     """``(state, tokens)`` from the widget's stats line, e.g. ``#3 decoding · 5 tokens``."""
     match = re.match(r"#\d+ (\w+) · (\d+) tokens", view(kernel, cell).get("status", ""))
     return (match.group(1), int(match.group(2))) if match else ("", 0)
@@ -282,7 +279,7 @@ def wait_decoding(kernel: KernelSession, cell: str, tokens: int = 2, timeout: fl
     )
 
 
-def wait_state(kernel: KernelSession, cell: str, states: Tuple[str, ...], timeout: float = 180) -> str:
+def wait_state(kernel: KernelSession, cell: str, states: tuple[str, ...], timeout: float = 180) -> str:
     return kernel.wait_until(
         lambda: status(kernel, cell)[0] in states and status(kernel, cell)[0],
         timeout,
@@ -300,7 +297,7 @@ def one_line_usage_error(reply: Reply) -> str:
     return err
 
 
-def greedy_tokens(kernel: KernelSession, prompt: str, n: int, out: str = "ref") -> List[int]:
+def greedy_tokens(kernel: KernelSession, prompt: str, n: int, out: str = "ref") -> list[int]:
     """Run ``%%mlxgen -n N --wait -o OUT`` on ``prompt`` and return the tokens it made."""
     reply = kernel.execute(f"%%mlxgen -n {n} --wait -o {out}\n{prompt}", timeout=300)
     assert reply.ok, reply.content

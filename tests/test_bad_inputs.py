@@ -17,16 +17,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
-from testkit import gguf_writer as gw
 import test_gguf
 from conftest import needs_default_model
-from testkit.kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
 
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
+from testkit import gguf_writer as gw
+from testkit.kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -51,9 +50,7 @@ GGUF_CASES = {
     "gguf_corrupt": (test_gguf.BAD_FILES["zip"][0], "gguf_corrupt.gguf: not a GGUF file (bad magic)"),
     "gguf_not_llama": (test_gguf.BAD_FILES["arch_gpt2"][0], "unsupported GGUF architecture 'gpt2'"),
     "gguf_absurd_dims": (test_gguf.BAD_FILES["dim_huge"][0], "has invalid dimensions"),
-    "gguf_absurd_count": (
-        test_gguf.BAD_FILES["tensor_count_2e60"][0], "header says 1152921504606846976 tensors"
-    ),
+    "gguf_absurd_count": (test_gguf.BAD_FILES["tensor_count_2e60"][0], "header says 1152921504606846976 tensors"),
     "gguf_absurd_ffn": (
         test_gguf._tiny_bytes(**{"llama.feed_forward_length": gw.typed(gw.UINT64, 2**40)})[0],
         "but the metadata implies [1099511627776, 64]",
@@ -64,21 +61,25 @@ GGUF_CASES = {
     ),
 }
 
-CASES: List[Case] = [
-    Case("model_unknown", f"%%mlxgen -m no-such-model\n{PROMPT}",
-         "model 'no-such-model' not found: give 'default'"),
-    Case("model_hub_not_cached", f"%%mlxgen -m someorg/not-cached\n{PROMPT}",
-         "not in the local Hugging Face cache and downloads are off"),
-    Case("gguf_missing", f"%%mlxgen -m {{tmp}}/missing.gguf\n{PROMPT}",
-         "missing.gguf' not found (no such file)"),
-    Case("not_a_model_file", f"%%mlxgen -m {{tmp}}/notes.txt\n{PROMPT}",
-         "notes.txt: not a model file; give a .gguf file or an MLX model folder"),
-    Case("folder_without_config", f"%%mlxgen -m {{tmp}}/empty\n{PROMPT}",
-         "not found (the folder has no config.json)"),
-    *[Case(name, f"%%mlxgen -m {{tmp}}/{name}.gguf --wait\n{PROMPT}", phrase)
-      for name, (_, phrase) in GGUF_CASES.items()],
-    Case("empty_prompt", "%%mlxgen\n", "%%mlxgen is a cell magic, but the cell body is empty.",
-         by_ipython=True),
+CASES: list[Case] = [
+    Case("model_unknown", f"%%mlxgen -m no-such-model\n{PROMPT}", "model 'no-such-model' not found: give 'default'"),
+    Case(
+        "model_hub_not_cached",
+        f"%%mlxgen -m someorg/not-cached\n{PROMPT}",
+        "not in the local Hugging Face cache and downloads are off",
+    ),
+    Case("gguf_missing", f"%%mlxgen -m {{tmp}}/missing.gguf\n{PROMPT}", "missing.gguf' not found (no such file)"),
+    Case(
+        "not_a_model_file",
+        f"%%mlxgen -m {{tmp}}/notes.txt\n{PROMPT}",
+        "notes.txt: not a model file; give a .gguf file or an MLX model folder",
+    ),
+    Case("folder_without_config", f"%%mlxgen -m {{tmp}}/empty\n{PROMPT}", "not found (the folder has no config.json)"),
+    *[
+        Case(name, f"%%mlxgen -m {{tmp}}/{name}.gguf --wait\n{PROMPT}", phrase)
+        for name, (_, phrase) in GGUF_CASES.items()
+    ],
+    Case("empty_prompt", "%%mlxgen\n", "%%mlxgen is a cell magic, but the cell body is empty.", by_ipython=True),
     Case("whitespace_prompt", "%%mlxgen\n   \n\t\n", "the cell is empty"),
     Case("whitespace_variable", "%%mlxgen\n{blank}", "prompt is empty: give some text to generate from"),
     Case("n_zero", f"%%mlxgen -n 0\n{PROMPT}", "max_tokens must be >= 1, got 0"),
@@ -88,8 +89,7 @@ CASES: List[Case] = [
     Case("budget_inf", f"%%mlxgen --budget inf\n{PROMPT}", "stop_budget must be > 0.0, got inf"),
     Case("n_not_a_number", f"%%mlxgen -n abc\n{PROMPT}", "argument -n/--max-tokens: invalid int value: 'abc'"),
     Case("n_fraction", f"%%mlxgen -n 1.5\n{PROMPT}", "argument -n/--max-tokens: invalid int value: '1.5'"),
-    Case("t_not_a_number", f"%%mlxgen -t hot\n{PROMPT}",
-         "argument -t/--temperature: invalid float value: 'hot'"),
+    Case("t_not_a_number", f"%%mlxgen -t hot\n{PROMPT}", "argument -t/--temperature: invalid float value: 'hot'"),
     Case("t_nan", f"%%mlxgen -t nan\n{PROMPT}", "temperature must be a number, got nan"),
     Case("t_negative", f"%%mlxgen -t -0.5\n{PROMPT}", "temperature must be >= 0.0, got -0.5"),
     Case("top_p_above_1", f"%%mlxgen --top-p 2\n{PROMPT}", "top_p must be > 0.0 and <= 1.0, got 2.0"),
@@ -97,15 +97,21 @@ CASES: List[Case] = [
     Case("flag_unknown", f"%%mlxgen --bogus\n{PROMPT}", "unrecognized arguments: --bogus"),
     Case("flag_without_value", f"%%mlxgen -n\n{PROMPT}", "argument -n/--max-tokens: expected one argument"),
     Case("out_not_a_name", f"%%mlxgen -o 1x\n{PROMPT}", "--out needs a Python variable name, got '1x'"),
-    Case("variable_unknown", "%%mlxgen\nTell me about {nme}.",
-         "unknown variable {nme} in the prompt; define it"),
-    Case("attribute_unknown", "%%mlxgen\nTell me about {topic.nope}.",
-         "{topic.nope} in the prompt: topic has no attribute 'nope'"),
+    Case("variable_unknown", "%%mlxgen\nTell me about {nme}.", "unknown variable {nme} in the prompt; define it"),
+    Case(
+        "attribute_unknown",
+        "%%mlxgen\nTell me about {topic.nope}.",
+        "{topic.nope} in the prompt: topic has no attribute 'nope'",
+    ),
     Case("str_raises", "%%mlxgen\nTell me about {unprintable}.", "str() failed with ValueError: no text"),
-    Case("lone_surrogate", "%%mlxgen\n{surrogate}",
-         "prompt is not valid UTF-8 text: '\\udcff' at position 3 is a lone surrogate"),
-    Case("beyond_context_tiny", "%%mlxgen --wait\n{long_prompt}",
-         "but the model's context is 4096: shorten the prompt"),
+    Case(
+        "lone_surrogate",
+        "%%mlxgen\n{surrogate}",
+        "prompt is not valid UTF-8 text: '\\udcff' at position 3 is a lone surrogate",
+    ),
+    Case(
+        "beyond_context_tiny", "%%mlxgen --wait\n{long_prompt}", "but the model's context is 4096: shorten the prompt"
+    ),
     Case("stop_bad_id", "%mlxgen_stop abc", "give a generation id or 'all', got 'abc'"),
     Case("stop_unknown_id", "%mlxgen_stop 999999", "no generation #999999: %mlxgen_jobs lists them"),
     Case("jobs_with_arguments", "%mlxgen_jobs x", "%mlxgen_jobs takes no arguments"),
@@ -113,7 +119,7 @@ CASES: List[Case] = [
     Case("models_unknown_flag", "%mlxgen_models --bogus", "unrecognized arguments: --bogus"),
 ]
 
-TABLE: List[str] = []
+TABLE: list[str] = []
 
 
 def record(via: str, name: str, message: str) -> None:
@@ -154,12 +160,12 @@ def kernel(tiny_model: str):
 
 
 @pytest.fixture(scope="module")
-def reference(kernel: KernelSession) -> List[int]:
+def reference(kernel: KernelSession) -> list[int]:
     return greedy_tokens(kernel, PROMPT, REF_TOKENS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_kernel_case(kernel: KernelSession, reference: List[int], bad_files: Path, case: Case) -> None:
+def test_kernel_case(kernel: KernelSession, reference: list[int], bad_files: Path, case: Case) -> None:
     reply = kernel.execute(case.cell.replace("{tmp}", str(bad_files)), timeout=300)
     if case.by_ipython:
         message = reply.stream("stderr").strip()
@@ -172,7 +178,7 @@ def test_kernel_case(kernel: KernelSession, reference: List[int], bad_files: Pat
 
 
 @needs_default_model
-def test_prompt_beyond_the_default_models_context(kernel: KernelSession, reference: List[int]) -> None:
+def test_prompt_beyond_the_default_models_context(kernel: KernelSession, reference: list[int]) -> None:
     """SmolLM2's context is 8192 tokens; the prompt is checked before any prefill."""
     reply = kernel.execute("%%mlxgen -m default --wait -o g\n{long_prompt}{long_prompt}", timeout=600)
     message = one_line_usage_error(reply)
@@ -193,7 +199,7 @@ def test_prompt_beyond_the_default_models_context(kernel: KernelSession, referen
     ],
     ids=["stray_braces", "lone_brace", "code_with_braces"],
 )
-def test_stray_braces_pass_through(kernel: KernelSession, reference: List[int], body: str, prompt: str) -> None:
+def test_stray_braces_pass_through(kernel: KernelSession, reference: list[int], body: str, prompt: str) -> None:
     reply = kernel.execute(f"%%mlxgen -n 2 --wait -o g\n{body}", timeout=300)
     assert reply.ok and not reply.stream("stderr"), reply.content
     assert kernel.eval("(g.request.prompt, g.state)") == (prompt, "done")
@@ -201,8 +207,10 @@ def test_stray_braces_pass_through(kernel: KernelSession, reference: List[int], 
 
 
 def test_second_load_ext_changes_nothing(kernel: KernelSession) -> None:
-    probe = "(sum(type(c).__name__ == 'MLXGen' for c in get_ipython().configurables), " \
-            "len(get_ipython().events.callbacks['pre_run_cell']))"
+    probe = (
+        "(sum(type(c).__name__ == 'MLXGen' for c in get_ipython().configurables), "
+        "len(get_ipython().events.callbacks['pre_run_cell']))"
+    )
     before = kernel.eval(probe)
     reply = kernel.execute("%load_ext mlx_notebook")
     assert reply.ok and not reply.stream("stderr")
@@ -233,7 +241,7 @@ def test_bad_config_value_is_one_line(kernel: KernelSession) -> None:
 
 
 def test_unload_ext_mid_generation_stops_it_and_load_works_again(
-    kernel: KernelSession, tiny_model: str, reference: List[int]
+    kernel: KernelSession, tiny_model: str, reference: list[int]
 ) -> None:
     started = kernel.execute(f"%%mlxgen -n 100000 -o running\n{PROMPT}")
     assert started.ok, started.content
@@ -246,8 +254,11 @@ def test_unload_ext_mid_generation_stops_it_and_load_works_again(
     assert wait_state(kernel, started.msg_id, ("stopped",), timeout=30) == "stopped"
     gone = kernel.execute(f"%%mlxgen\n{PROMPT}")
     assert gone.stream("stderr").strip() == "UsageError: Cell magic `%%mlxgen` not found."
-    record("kernel", "unload_ext_mid_generation", f"generation stopped after {n} tokens; then: "
-           + gone.stream("stderr").strip())
+    record(
+        "kernel",
+        "unload_ext_mid_generation",
+        f"generation stopped after {n} tokens; then: " + gone.stream("stderr").strip(),
+    )
     reloaded = kernel.execute("%load_ext mlx_notebook")
     assert reloaded.ok, reloaded.content
     assert kernel.execute(f"%config MLXGen.model = {tiny_model!r}").ok
@@ -259,15 +270,21 @@ def test_unload_ext_mid_generation_stops_it_and_load_works_again(
 # -- the Python API -----------------------------------------------------------------------------------
 
 
-API_CASES: Dict[str, tuple] = {
+API_CASES: dict[str, tuple] = {
     # name: (generate() keyword arguments, error type, phrase)
     "api_empty_prompt": ({"prompt": ""}, InvalidArgumentError, "prompt is empty"),
     "api_whitespace_prompt": ({"prompt": " \n\t "}, InvalidArgumentError, "prompt is empty"),
     "api_bytes_prompt": ({"prompt": b"hi"}, InvalidArgumentError, "prompt must be a string, got bytes"),
-    "api_lone_surrogate": ({"prompt": "caf\udcff"}, InvalidArgumentError,
-                           "prompt is not valid UTF-8 text: '\\udcff' at position 3"),
-    "api_surrogate_system": ({"system": "\ud800 sys"}, InvalidArgumentError,
-                             "system is not valid UTF-8 text: '\\ud800' at position 0"),
+    "api_lone_surrogate": (
+        {"prompt": "caf\udcff"},
+        InvalidArgumentError,
+        "prompt is not valid UTF-8 text: '\\udcff' at position 3",
+    ),
+    "api_surrogate_system": (
+        {"system": "\ud800 sys"},
+        InvalidArgumentError,
+        "system is not valid UTF-8 text: '\\ud800' at position 0",
+    ),
     "api_n_zero": ({"max_tokens": 0}, InvalidArgumentError, "max_tokens must be >= 1, got 0"),
     "api_n_negative": ({"max_tokens": -3}, InvalidArgumentError, "max_tokens must be >= 1, got -3"),
     "api_n_bool": ({"max_tokens": True}, InvalidArgumentError, "max_tokens must be an integer, got True"),
@@ -275,10 +292,12 @@ API_CASES: Dict[str, tuple] = {
     "api_budget_negative": ({"stop_budget": -1}, InvalidArgumentError, "stop_budget must be > 0.0, got -1"),
     "api_model_not_a_string": ({"model": 42}, ModelNotFoundError, "expected a string, got int"),
     "api_model_unknown": ({"model": "no-such-model"}, ModelNotFoundError, "model 'no-such-model' not found"),
-    "api_empty_token_list": ({"prompt": []}, InvalidArgumentError,
-                             "a token prompt must be a non-empty list of non-negative integers"),
-    "api_negative_token": ({"prompt": [1, -2]}, InvalidArgumentError,
-                           "a token prompt must be a non-empty list"),
+    "api_empty_token_list": (
+        {"prompt": []},
+        InvalidArgumentError,
+        "a token prompt must be a non-empty list of non-negative integers",
+    ),
+    "api_negative_token": ({"prompt": [1, -2]}, InvalidArgumentError, "a token prompt must be a non-empty list"),
 }
 
 
@@ -320,7 +339,7 @@ def test_api_bad_gguf_fails_in_the_handle(worker, bad_files: Path) -> None:
 # -- afterwards ------------------------------------------------------------------------------------------
 
 
-def test_kernel_still_answers_with_the_reference_tokens(kernel: KernelSession, reference: List[int]) -> None:
+def test_kernel_still_answers_with_the_reference_tokens(kernel: KernelSession, reference: list[int]) -> None:
     assert kernel.km.is_alive()
     assert kernel.execute("assert 1 + 1 == 2").ok
     reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} --wait -o after\n{PROMPT}", timeout=300)

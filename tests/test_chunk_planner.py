@@ -116,7 +116,7 @@ def test_a_plan_that_wobbles_up_reuses_the_shapes_already_built() -> None:
     # 0.112 s fits ~1100 tokens: 1024-token chunks.
     _, first = run_prompt((0.002, 1e-4), shapes, 8191, 0.112, lambda s, n: 0.002 + n * 1e-4)
     assert max(n for _, n in first) == 1024
-    fast = (0.002, 4e-5)                           # fits ~2750 tokens -> 2048 planned
+    fast = (0.002, 4e-5)  # fits ~2750 tokens -> 2048 planned
     _, second = run_prompt(fast, shapes, 8191, 0.112, lambda s, n: 0.002 + n * 4e-5)
     assert set(second) <= set(first), set(second) - set(first)
     # Without the seen shapes the same cost plans 2048-token chunks: all new shapes.

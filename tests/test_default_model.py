@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import needs_default_model
 
 import mlx_notebook
-from conftest import needs_default_model
 
 pytestmark = needs_default_model
 

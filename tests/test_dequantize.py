@@ -13,8 +13,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_notebook.loading import budgeted, policy, store
 from mlx_notebook.control import Cancelled, CancelToken, Pace
+from mlx_notebook.loading import budgeted
 
 
 def quantized_tiny(folder: str):

@@ -43,9 +43,7 @@ def test_greedy_matches_plain_mlx_lm(worker, tiny_model):
     )
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     # Plain mlx-lm must run on the worker thread too: streams belong to threads.
-    expected = worker.call(
-        lambda store: [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=30)]
-    )
+    expected = worker.call(lambda store: [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=30)])
     eos = set(tokenizer.eos_token_ids)
     expected = [t for t in expected if t not in eos]
     assert gen.tokens == expected

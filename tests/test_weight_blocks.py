@@ -12,13 +12,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from conftest import needs_default_model
 from mlx.utils import tree_flatten
+from test_default_model import QUESTION
 
 import mlx_notebook
-from conftest import needs_default_model
-from mlx_notebook.loading import budgeted, policy, store, weight_blocks
 from mlx_notebook.control import Cancelled, CancelToken, Pace
-from test_default_model import QUESTION
+from mlx_notebook.loading import budgeted, policy, store, weight_blocks
 from testkit.tiny_model import make_tiny_model
 
 

@@ -55,7 +55,9 @@ class ChunkPlanner:
           here; ``None`` where shapes cost nothing new (no first-use rule).
     """
 
-    def __init__(self, cost: tuple[float, float] | None = None, shapes_seen: set[tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self, cost: tuple[float, float] | None = None, shapes_seen: set[tuple[int, int]] | None = None
+    ) -> None:
         self.cost: tuple[float, float] | None = (cost[0], cost[1]) if cost is not None else None
         self.shapes_seen = shapes_seen
         self._samples: list[tuple[float, float]] = []
@@ -117,7 +119,7 @@ class ChunkPlanner:
         throughput, a new one a graph build inside a piece (72 ms at 32k).
         """
         for candidate in (size, size // 2, size // 4):
-            if candidate >= 1 and (done, _aligned(candidate, done, remaining)) in self.shapes_seen:
+            if candidate >= 1 and (done, _aligned(candidate, done, remaining)) in (self.shapes_seen or ()):
                 return candidate
         return size
 

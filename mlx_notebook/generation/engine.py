@@ -19,7 +19,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
@@ -177,7 +177,7 @@ def decode(
             # Queued before this token is read: the device works while Python
             # detokenizes and checks the token.
             mx.async_eval(next_y)
-        tok = y.item()
+        tok = cast(int, y.item())  # a token id
         now = time.perf_counter()
         n += 1
         if first_token_at is None:

@@ -5,10 +5,10 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 
-def linear_fit(points: Sequence[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
+def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     """``(intercept, slope)`` of the least-squares line through ``points``.
 
     Returns:

@@ -87,9 +87,7 @@ class Generation:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (
-            f"<Generation #{self.id} {self._state}: {self.stats.generated_tokens} tokens, {len(self.text)} chars>"
-        )
+        return f"<Generation #{self.id} {self._state}: {self.stats.generated_tokens} tokens, {len(self.text)} chars>"
 
     # -- reading ------------------------------------------------------------
 

@@ -162,7 +162,7 @@ class LayerRunner:
 
 def _layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
     for path in ("model", "language_model.model", "backbone", "transformer"):
-        owner = model
+        owner: Any = model
         for part in path.split("."):
             owner = getattr(owner, part, None) if owner is not None else None
         layers = getattr(owner, "layers", None) if owner is not None else None

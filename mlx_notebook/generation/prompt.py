@@ -21,17 +21,13 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> list[int]
         ids = list(request.prompt)
         vocab = loaded.config.get("vocab_size")
         if isinstance(vocab, int) and max(ids) >= vocab:
-            raise InvalidArgumentError(
-                f"token id {max(ids)} is outside the model's vocabulary of {vocab}"
-            )
+            raise InvalidArgumentError(f"token id {max(ids)} is outside the model's vocabulary of {vocab}")
     elif request.chat and getattr(tokenizer, "has_chat_template", False):
         messages: list[dict[str, str]] = []
         if request.system:
             messages.append({"role": "system", "content": request.system})
         messages.append({"role": "user", "content": request.prompt})
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         with _no_length_warning():
             ids = tokenizer.encode(text, add_special_tokens=False)
     else:

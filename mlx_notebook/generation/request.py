@@ -10,8 +10,9 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import InvalidArgumentError

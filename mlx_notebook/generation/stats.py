@@ -6,6 +6,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from ..text_enum import TextEnum
 
 

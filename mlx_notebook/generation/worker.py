@@ -272,6 +272,7 @@ class Worker:
             mx.clear_streams()
 
     def _run_call(self, job: _Call) -> None:
+        assert self.stream is not None  # made by the thread before it takes jobs
         try:
             with mx.stream(self.stream):
                 job.result = job.fn(self.store)

@@ -17,7 +17,6 @@ import ctypes
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 # Debian/Ubuntu (libopenblas0-pthread / libopenblas0), then Fedora's name.
 _CANDIDATES = (
@@ -29,11 +28,11 @@ _CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
-_loaded: Optional[str] = None
+_loaded: str | None = None
 _note: str = "not tried"
 
 
-def preload_openblas() -> Optional[str]:
+def preload_openblas() -> str | None:
     """Load a system OpenBLAS globally if that can still help; return its path.
 
     Does nothing off Linux, when ``MLX_NOTEBOOK_BLAS=reference``, or when

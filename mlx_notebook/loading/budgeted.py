@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,6 +110,11 @@ class BatchEvaluator:
         self.pace.checkpoint()
 
 
+def parameters_of(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The model's parameters as ``(dotted name, array)`` pairs."""
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
 def evaluate_parameters(
     model: nn.Module,
     pace: Pace,
@@ -131,7 +136,7 @@ def evaluate_parameters(
     Returns:
         The total bytes of parameters.
     """
-    named = tree_flatten(model.parameters())
+    named = parameters_of(model)
     total = sum(p.nbytes for _, p in named)
     if progress is not None:
         progress(0, total)

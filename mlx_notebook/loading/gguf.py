@@ -32,7 +32,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -63,26 +63,70 @@ _FIX_OTHER = "use an MLX model folder instead (mlx_lm.convert makes one)"
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL = range(8)
 _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(8, 13)
 _SCALAR_FORMATS = {
-    _UINT8: "<B", _INT8: "<b", _UINT16: "<H", _INT16: "<h", _UINT32: "<I", _INT32: "<i",
-    _FLOAT32: "<f", _BOOL: "<B", _UINT64: "<Q", _INT64: "<q", _FLOAT64: "<d",
+    _UINT8: "<B",
+    _INT8: "<b",
+    _UINT16: "<H",
+    _INT16: "<h",
+    _UINT32: "<I",
+    _INT32: "<i",
+    _FLOAT32: "<f",
+    _BOOL: "<B",
+    _UINT64: "<Q",
+    _INT64: "<q",
+    _FLOAT64: "<d",
 }
 _NUMPY_DTYPES = {
-    _UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "<u4", _INT32: "<i4",
-    _FLOAT32: "<f4", _BOOL: "<u1", _UINT64: "<u8", _INT64: "<i8", _FLOAT64: "<f8",
+    _UINT8: "<u1",
+    _INT8: "<i1",
+    _UINT16: "<u2",
+    _INT16: "<i2",
+    _UINT32: "<u4",
+    _INT32: "<i4",
+    _FLOAT32: "<f4",
+    _BOOL: "<u1",
+    _UINT64: "<u8",
+    _INT64: "<i8",
+    _FLOAT64: "<f8",
 }
 
 # ggml tensor types by id, for error messages (llama.cpp's ggml_type enum).
 _GGML_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
-    30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
 }
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
 # The types mx.load turns into something mlx-lm runs: (values per block, bytes per block).
-_SUPPORTED_TYPES = {_F32: (1, 4), _F16: (1, 2), _Q4_0: (32, 18), _Q4_1: (32, 20),
-                    _Q8_0: (32, 34), _BF16: (1, 2)}
+_SUPPORTED_TYPES = {_F32: (1, 4), _F16: (1, 2), _Q4_0: (32, 18), _Q4_1: (32, 20), _Q8_0: (32, 34), _BF16: (1, 2)}
 _QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 _QUANT_GROUP_SIZE = 32
 _FIX_TYPE = "use a F16, Q8_0, Q4_0 or Q4_1 file"
@@ -95,12 +139,16 @@ _MIN_KV_BYTES = 8 + 4 + 1  # key length, type tag, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
 
 # GGUF names -> mlx-lm llama parameter names.
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 # mx.load names: quantized weights come back as .weight/.scales/.biases triplets.
@@ -114,11 +162,27 @@ _DIGITS_GPT2 = "digits+gpt2"
 _LLAMA3 = "llama3"
 _QWEN2 = "qwen2"
 _PRE_TOKENIZERS = {
-    None: _GPT2, "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2,
-    "jais": _GPT2, "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2,
-    "command-r": _DIGITS_GPT2, "codeshell": _DIGITS_GPT2, "exaone": _DIGITS_GPT2,
-    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
-    "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    None: _GPT2,
+    "default": _GPT2,
+    "gpt2": _GPT2,
+    "gpt-2": _GPT2,
+    "mpt": _GPT2,
+    "olmo": _GPT2,
+    "jais": _GPT2,
+    "smollm": _DIGITS_GPT2,
+    "starcoder": _DIGITS_GPT2,
+    "refact": _DIGITS_GPT2,
+    "command-r": _DIGITS_GPT2,
+    "codeshell": _DIGITS_GPT2,
+    "exaone": _DIGITS_GPT2,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
 }
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -233,7 +297,7 @@ class _Reader:
             if len(self._buf) < n:  # the file shrank while we read it
                 raise self.truncated(what, end)
         self.pos = end
-        return self._buf[start:start + n]
+        return self._buf[start : start + n]
 
     def scalar(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -267,15 +331,13 @@ def _read_value(reader: _Reader, value_type: int, key: str) -> Any:
         if elem_type == _ARRAY:
             # mx.load reads one level of arrays only; llama-family files have no more.
             raise ModelFormatError(
-                f"{reader.label}: metadata '{key}' is an array of arrays, which mlx-notebook "
-                f"cannot read; {_FIX_OTHER}"
+                f"{reader.label}: metadata '{key}' is an array of arrays, which mlx-notebook cannot read; {_FIX_OTHER}"
             )
         if elem_type not in _SCALAR_FORMATS and elem_type != _STRING:
             raise _bad_tag(reader, key, elem_type, "array element type")
         min_size = 8 if elem_type == _STRING else struct.calcsize(_SCALAR_FORMATS[elem_type])
         if length > _MAX_INT32 or length * min_size > reader.size - reader.pos:
-            raise reader.truncated(f"{what} (an array of {length} items)",
-                                    reader.pos + length * min_size)
+            raise reader.truncated(f"{what} (an array of {length} items)", reader.pos + length * min_size)
         if elem_type == _STRING:
             return [reader.string(f"{what}[{i}]") for i in range(length)]
         raw = reader.take(length * min_size, what)
@@ -289,8 +351,7 @@ def _read_value(reader: _Reader, value_type: int, key: str) -> Any:
 
 def _bad_tag(reader: _Reader, key: str, tag: int, kind: str) -> ModelFormatError:
     return ModelFormatError(
-        f"{reader.label}: metadata '{key}' has an invalid {kind} {tag} (corrupt GGUF file); "
-        f"{_FIX_DOWNLOAD}"
+        f"{reader.label}: metadata '{key}' has an invalid {kind} {tag} (corrupt GGUF file); {_FIX_DOWNLOAD}"
     )
 
 
@@ -300,7 +361,7 @@ def _open_checked(path: Path, label: str) -> tuple[BinaryIO, int]:
     if path.is_dir():
         raise ModelFormatError(f"{label}: is a folder, not a GGUF file; {_FIX_FOLDER}")
     try:
-        fileobj = open(path, "rb")  # noqa: SIM115 - closed by the caller
+        fileobj = open(path, "rb")
     except OSError as exc:
         raise ModelFormatError(f"{label}: cannot read it ({exc.strerror}); {_FIX_FOLDER}") from None
     return fileobj, os.fstat(fileobj.fileno()).st_size
@@ -355,8 +416,7 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
         )
     tensor_count = reader.u64("the header")
     kv_count = reader.u64("the header")
-    if (_HEADER_BYTES + kv_count * _MIN_KV_BYTES + tensor_count * _MIN_TENSOR_INFO_BYTES
-            > size):
+    if _HEADER_BYTES + kv_count * _MIN_KV_BYTES + tensor_count * _MIN_TENSOR_INFO_BYTES > size:
         raise ModelFormatError(
             f"{label}: truncated or corrupt GGUF file (header says {tensor_count} tensors and "
             f"{kv_count} metadata entries, file ends at byte {size}); {_FIX_DOWNLOAD}"
@@ -367,9 +427,7 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
     for index in range(kv_count):
         key = reader.string(f"metadata key {index}")
         if key in metadata:
-            raise ModelFormatError(
-                f"{label}: metadata key '{key}' appears twice (corrupt GGUF file); {_FIX_DOWNLOAD}"
-            )
+            raise ModelFormatError(f"{label}: metadata key '{key}' appears twice (corrupt GGUF file); {_FIX_DOWNLOAD}")
         value_type = reader.u32(f"the type of '{key}'")
         metadata[key] = _read_value(reader, value_type, key)
         types[key] = value_type
@@ -380,8 +438,7 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
     ):
         # mx.load only honours a uint32 alignment and divides by it: 0 would crash it.
         raise ModelFormatError(
-            f"{label}: invalid general.alignment {alignment!r} (must be a uint32 power of two); "
-            f"{_FIX_DOWNLOAD}"
+            f"{label}: invalid general.alignment {alignment!r} (must be a uint32 power of two); {_FIX_DOWNLOAD}"
         )
 
     raw_tensors = []
@@ -401,36 +458,51 @@ def _parse(fileobj: BinaryIO, size: int, path: Path, label: str) -> GGUFInfo:
 
     tensors: dict[str, GGUFTensor] = {}
     for name, dims, type_id, offset in raw_tensors:
-        tensors[name] = _check_tensor(label, name, dims, type_id, offset, alignment,
-                                      data_offset, size, tensors)
+        tensors[name] = _check_tensor(label, name, dims, type_id, offset, alignment, data_offset, size, tensors)
 
     architecture = metadata.get("general.architecture")
     if not isinstance(architecture, str):
         raise ModelFormatError(
-            f"{label}: GGUF file without general.architecture, so its model type is unknown; "
-            f"{_FIX_OTHER}"
+            f"{label}: GGUF file without general.architecture, so its model type is unknown; {_FIX_OTHER}"
         )
-    return GGUFInfo(path=path, version=version, architecture=architecture, metadata=metadata,
-                    tensors=tensors, alignment=alignment, data_offset=data_offset, file_size=size)
+    return GGUFInfo(
+        path=path,
+        version=version,
+        architecture=architecture,
+        metadata=metadata,
+        tensors=tensors,
+        alignment=alignment,
+        data_offset=data_offset,
+        file_size=size,
+    )
 
 
 def _check_tensor(
-    label: str, name: str, dims: list[int], type_id: int, offset: int, alignment: int,
-    data_offset: int, size: int, seen: dict[str, GGUFTensor],
+    label: str,
+    name: str,
+    dims: list[int],
+    type_id: int,
+    offset: int,
+    alignment: int,
+    data_offset: int,
+    size: int,
+    seen: dict[str, GGUFTensor],
 ) -> GGUFTensor:
     if name in seen:
-        raise ModelFormatError(f"{label}: tensor '{name}' appears twice (corrupt GGUF file); "
-                               f"{_FIX_DOWNLOAD}")
+        raise ModelFormatError(f"{label}: tensor '{name}' appears twice (corrupt GGUF file); {_FIX_DOWNLOAD}")
     if any(d < 1 or d > _MAX_INT32 for d in dims):
-        raise ModelFormatError(f"{label}: tensor '{name}' has invalid dimensions {dims} "
-                               f"(corrupt GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: tensor '{name}' has invalid dimensions {dims} (corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
     type_name = _GGML_TYPE_NAMES.get(type_id)
     if type_name is None:
-        raise ModelFormatError(f"{label}: tensor '{name}' has unknown type id {type_id} "
-                               f"(corrupt GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: tensor '{name}' has unknown type id {type_id} (corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
     if type_id not in _SUPPORTED_TYPES:
-        raise ModelFormatError(f"{label}: tensor '{name}' has type {type_name}, which "
-                               f"mlx-notebook cannot read; {_FIX_TYPE}")
+        raise ModelFormatError(
+            f"{label}: tensor '{name}' has type {type_name}, which mlx-notebook cannot read; {_FIX_TYPE}"
+        )
     block_values, block_bytes = _SUPPORTED_TYPES[type_id]
     if dims[0] % block_values:
         raise ModelFormatError(
@@ -440,20 +512,20 @@ def _check_tensor(
     count = math.prod(dims)
     # mx.load counts the packed uint32 words of a quantized tensor in an int.
     if type_name in _QUANT_BITS and count * _QUANT_BITS[type_name] // 32 > _MAX_INT32:
-        raise ModelFormatError(f"{label}: tensor '{name}' is too large for MLX's GGUF reader; "
-                               f"{_FIX_OTHER}")
+        raise ModelFormatError(f"{label}: tensor '{name}' is too large for MLX's GGUF reader; {_FIX_OTHER}")
     nbytes = count // block_values * block_bytes
     if offset % alignment:
-        raise ModelFormatError(f"{label}: tensor '{name}' data offset {offset} is not a multiple "
-                               f"of the alignment {alignment} (corrupt GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: tensor '{name}' data offset {offset} is not a multiple "
+            f"of the alignment {alignment} (corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
     start = data_offset + offset
     if start + nbytes > size:
         raise ModelFormatError(
             f"{label}: truncated GGUF file (tensor '{name}' data ends at byte {start + nbytes}, "
             f"file ends at byte {size}); {_FIX_DOWNLOAD}"
         )
-    return GGUFTensor(name=name, type_name=type_name, shape=tuple(reversed(dims)),
-                      offset=start, nbytes=nbytes)
+    return GGUFTensor(name=name, type_name=type_name, shape=tuple(reversed(dims)), offset=start, nbytes=nbytes)
 
 
 # ------------------------------------------------------------------ model
@@ -474,8 +546,9 @@ def _meta_int(info: GGUFInfo, key: str, label: str, default: int | None = None) 
 def _meta_float(info: GGUFInfo, key: str, label: str, default: float | None = None) -> float:
     value = info.metadata.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(f"{label}: missing or invalid metadata {key} (incomplete llama "
-                               f"GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: missing or invalid metadata {key} (incomplete llama GGUF file); {_FIX_DOWNLOAD}"
+        )
     # GGUF stores float32: write its shortest decimal (1e-05, not 9.999999747378752e-06).
     return float(str(np.float32(value)))
 
@@ -495,34 +568,36 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
     """The mlx-lm ``config.json`` for a llama GGUF, checking its tensors against it."""
     arch = info.architecture
     if _meta_int(info, f"{arch}.expert_count", label, default=0) > 0:
-        raise ModelFormatError(f"{label}: mixture-of-experts GGUF files are not supported; "
-                               f"{_FIX_OTHER}")
+        raise ModelFormatError(f"{label}: mixture-of-experts GGUF files are not supported; {_FIX_OTHER}")
     hidden = _meta_int(info, f"{arch}.embedding_length", label)
     layers = _meta_int(info, f"{arch}.block_count", label)
     heads = _meta_int(info, f"{arch}.attention.head_count", label)
     kv_heads = _meta_int(info, f"{arch}.attention.head_count_kv", label, default=heads)
     intermediate = _meta_int(info, f"{arch}.feed_forward_length", label)
     if not (hidden and layers and heads and kv_heads and intermediate) or heads % kv_heads:
-        raise ModelFormatError(f"{label}: inconsistent llama hyperparameters (hidden {hidden}, "
-                               f"{layers} layers, {heads}/{kv_heads} heads); {_FIX_DOWNLOAD}")
-    head_dim = _meta_int(info, f"{arch}.attention.key_length", label,
-                         default=hidden // heads)
+        raise ModelFormatError(
+            f"{label}: inconsistent llama hyperparameters (hidden {hidden}, "
+            f"{layers} layers, {heads}/{kv_heads} heads); {_FIX_DOWNLOAD}"
+        )
+    head_dim = _meta_int(info, f"{arch}.attention.key_length", label, default=hidden // heads)
     rope_dims = _meta_int(info, f"{arch}.rope.dimension_count", label, default=head_dim)
     if rope_dims != head_dim:
-        raise ModelFormatError(f"{label}: rotary dimension count {rope_dims} differs from the "
-                               f"head size {head_dim}, which mlx-lm's llama cannot run; "
-                               f"{_FIX_OTHER}")
+        raise ModelFormatError(
+            f"{label}: rotary dimension count {rope_dims} differs from the "
+            f"head size {head_dim}, which mlx-lm's llama cannot run; "
+            f"{_FIX_OTHER}"
+        )
 
     embed = info.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
-        raise ModelFormatError(f"{label}: missing tensor 'token_embd.weight' (incomplete GGUF "
-                               f"file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(f"{label}: missing tensor 'token_embd.weight' (incomplete GGUF file); {_FIX_DOWNLOAD}")
     vocab = embed.shape[0]
     tied = "output.weight" not in info.tensors
     context = _meta_int(info, f"{arch}.context_length", label, default=2048)
     if context < 1:  # else every prompt would be "too long for a context of 0"
-        raise ModelFormatError(f"{label}: invalid metadata {arch}.context_length = {context} "
-                               f"(corrupt GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: invalid metadata {arch}.context_length = {context} (corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -549,17 +624,21 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
             "factor": _meta_float(info, f"{arch}.rope.scaling.factor", label),
         }
     elif scaling != "none":
-        raise ModelFormatError(f"{label}: rope scaling '{scaling}' is not supported; "
-                               f"{_FIX_OTHER}")
+        raise ModelFormatError(f"{label}: rope scaling '{scaling}' is not supported; {_FIX_OTHER}")
 
     expected = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not tied:
         expected["output.weight"] = (vocab, hidden)
     per_layer = {
-        "attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
-        "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
-        "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden),
-        "ffn_down": (hidden, intermediate), "attn_norm": (hidden,), "ffn_norm": (hidden,),
+        "attn_q": (heads * head_dim, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, heads * head_dim),
+        "ffn_gate": (intermediate, hidden),
+        "ffn_up": (intermediate, hidden),
+        "ffn_down": (hidden, intermediate),
+        "attn_norm": (hidden,),
+        "ffn_norm": (hidden,),
     }
     for layer in range(layers):
         for part, shape in per_layer.items():
@@ -580,12 +659,12 @@ def _llama_config(info: GGUFInfo, label: str) -> dict[str, Any]:
                 f"implies {list(expected[name])} (corrupt GGUF file); {_FIX_DOWNLOAD}"
             )
         if tensor.type_name in _QUANT_BITS and (len(tensor.shape) != 2 or name.endswith(".bias")):
-            raise ModelFormatError(f"{label}: tensor '{name}' is quantized but mlx-lm needs it "
-                                   f"unquantized; {_FIX_TYPE}")
+            raise ModelFormatError(
+                f"{label}: tensor '{name}' is quantized but mlx-lm needs it unquantized; {_FIX_TYPE}"
+            )
     missing = [name for name in expected if name not in info.tensors]
     if missing:
-        raise ModelFormatError(f"{label}: missing tensor '{missing[0]}' (incomplete GGUF file); "
-                               f"{_FIX_DOWNLOAD}")
+        raise ModelFormatError(f"{label}: missing tensor '{missing[0]}' (incomplete GGUF file); {_FIX_DOWNLOAD}")
     return config
 
 
@@ -601,23 +680,24 @@ def _check_tokenizer(info: GGUFInfo, label: str) -> None:
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in _PRE_TOKENIZERS:
         known = ", ".join(sorted(k for k in _PRE_TOKENIZERS if k))
-        raise ModelFormatError(f"{label}: pre-tokenizer {pre!r} is not supported (known: "
-                               f"{known}); {_FIX_OTHER}")
+        raise ModelFormatError(f"{label}: pre-tokenizer {pre!r} is not supported (known: {known}); {_FIX_OTHER}")
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
     if not _is_str_list(tokens) or not tokens or not _is_str_list(merges):
-        raise ModelFormatError(f"{label}: missing or invalid tokenizer vocabulary or merges "
-                               f"(incomplete GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: missing or invalid tokenizer vocabulary or merges (incomplete GGUF file); {_FIX_DOWNLOAD}"
+        )
     if len(tokens) > info.tensors["token_embd.weight"].shape[0]:
-        raise ModelFormatError(f"{label}: tokenizer has {len(tokens)} tokens but the embedding "
-                               f"only {info.tensors['token_embd.weight'].shape[0]} rows "
-                               f"(corrupt GGUF file); {_FIX_DOWNLOAD}")
+        raise ModelFormatError(
+            f"{label}: tokenizer has {len(tokens)} tokens but the embedding "
+            f"only {info.tensors['token_embd.weight'].shape[0]} rows "
+            f"(corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
     token_types = meta.get("tokenizer.ggml.token_type")
-    if token_types is not None and (
-        not isinstance(token_types, list) or len(token_types) != len(tokens)
-    ):
-        raise ModelFormatError(f"{label}: tokenizer.ggml.token_type does not match the "
-                               f"vocabulary (corrupt GGUF file); {_FIX_DOWNLOAD}")
+    if token_types is not None and (not isinstance(token_types, list) or len(token_types) != len(tokens)):
+        raise ModelFormatError(
+            f"{label}: tokenizer.ggml.token_type does not match the vocabulary (corrupt GGUF file); {_FIX_DOWNLOAD}"
+        )
 
 
 def _is_str_list(value: Any) -> bool:
@@ -638,16 +718,14 @@ def _special_id(info: GGUFInfo, key: str) -> int | None:
 
 def _byte_alphabet() -> set[str]:
     """The 256 characters GPT-2's byte-level BPE spells bytes with."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = 256 - len(printable)
     return {chr(c) for c in printable} | {chr(256 + i) for i in range(extra)}
 
 
 def _build_tokenizer(info: GGUFInfo) -> Any:
     """A ``tokenizers.Tokenizer`` equivalent to llama.cpp's for this byte-level BPE vocabulary."""
-    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
-                            processors)
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     meta = info.metadata
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -659,20 +737,18 @@ def _build_tokenizer(info: GGUFInfo) -> Any:
     for merge in meta["tokenizer.ggml.merges"]:
         cut = merge.find(" ", 1)
         if cut > 0:
-            merges.append((merge[:cut], merge[cut + 1:]))
+            merges.append((merge[:cut], merge[cut + 1 :]))
     pre = _PRE_TOKENIZERS[meta.get("tokenizer.ggml.pre")]
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                     ignore_merges=pre == _LLAMA3)
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre == _LLAMA3)
     tokenizer = Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in (_GPT2,
-                                                                                    _DIGITS_GPT2))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in (_GPT2, _DIGITS_GPT2))
     if pre == _DIGITS_GPT2:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in (_LLAMA3, _QWEN2):
         split = _LLAMA3_SPLIT if pre == _LLAMA3 else _QWEN2_SPLIT
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level])
+            [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level]
+        )
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
@@ -697,12 +773,15 @@ def _build_tokenizer(info: GGUFInfo) -> Any:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     if add_bos or add_eos:
-        bos = [tokens[bos_id]] if add_bos else []
-        eos = [tokens[eos_id]] if add_eos else []
+        bos = [tokens[bos_id]] if add_bos and bos_id is not None else []
+        eos = [tokens[eos_id]] if add_eos and eos_id is not None else []
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=[*bos, "$A", *eos], pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
-            special_tokens=[(tokens[i], i) for i, add in ((bos_id, add_bos), (eos_id, add_eos))
-                            if add])
+            single=[*bos, "$A", *eos],
+            pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
+            special_tokens=[
+                (tokens[i], i) for i, add in ((bos_id, add_bos), (eos_id, add_eos)) if add and i is not None
+            ],
+        )
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
@@ -793,10 +872,10 @@ def _load_tensors(info: GGUFInfo, scratch: Path) -> dict[str, Any]:
         source = scratch / "source.gguf"
         shutil.copyfile(info.path, source)
     try:
-        loaded = mx.load(str(source), format="gguf")
+        # Without return_metadata, a GGUF file loads as one dict of arrays.
+        loaded = cast(dict[str, Any], mx.load(str(source), format="gguf"))
     except (RuntimeError, ValueError) as exc:
-        raise ModelFormatError(f"{info.path.name}: MLX could not read it ({exc}); "
-                               f"{_FIX_DOWNLOAD}") from None
+        raise ModelFormatError(f"{info.path.name}: MLX could not read it ({exc}); {_FIX_DOWNLOAD}") from None
     finally:
         if source != info.path:
             source.unlink(missing_ok=True)
@@ -847,10 +926,8 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     """
     info = check_gguf(path)
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir.is_dir() and (
-            _is_conversion(out_dir) or not any(out_dir.iterdir()))):
-        raise InvalidArgumentError(f"{out_dir}: exists and is not an mlx-notebook GGUF "
-                                   f"conversion; give a new folder")
+    if out_dir.exists() and not (out_dir.is_dir() and (_is_conversion(out_dir) or not any(out_dir.iterdir()))):
+        raise InvalidArgumentError(f"{out_dir}: exists and is not an mlx-notebook GGUF conversion; give a new folder")
     _convert(info, out_dir, replace=True)
     return out_dir
 
@@ -882,16 +959,17 @@ def _convert(info: GGUFInfo, out_dir: Path, *, replace: bool) -> None:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         del weights
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json",
-                    {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config})
+        _write_json(
+            tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        )
         _build_tokenizer(info).save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(info))
         # Written last: its presence means the folder is complete.
-        _write_json(tmp / _MARKER, {"format": CONVERSION_FORMAT, "source": str(info.path),
-                                    "source_size": info.file_size})
+        _write_json(
+            tmp / _MARKER, {"format": CONVERSION_FORMAT, "source": str(info.path), "source_size": info.file_size}
+        )
         if replace and out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old",
-                                        dir=out_dir.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
             os.replace(out_dir, old / out_dir.name)
             try:
                 os.replace(tmp, out_dir)
@@ -919,8 +997,7 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
     except (OSError, ValueError):
         known = {}
     entry = known.get(key)
-    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(
-            entry.get("sha256"), str):
+    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get("sha256"), str):
         return entry["sha256"]
     digest = hashlib.sha256()
     with open(path, "rb") as fileobj:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from ..text_enum import TextEnum
 from pathlib import Path
 
 from ..errors import ModelFormatError, ModelNotFoundError
+from ..text_enum import TextEnum
 from . import gguf
 
 DEFAULT_ALIASES = ("default", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
@@ -97,9 +97,7 @@ def resolve(name: str | None) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return ModelSource(text, SourceKind.GGUF, path)
-        raise ModelFormatError(
-            f"{text}: not a model file; give a .gguf file or an MLX model folder"
-        )
+        raise ModelFormatError(f"{text}: not a model file; give a .gguf file or an MLX model folder")
     if text.endswith(".gguf") or os.sep in text and not _looks_like_hub_id(text):
         raise _not_found(text, "no such file")
     if _looks_like_hub_id(text):

@@ -21,12 +21,11 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..control import Cancelled, Pace, unpaced
 from ..errors import ModelFormatError
 from . import gguf, weight_blocks
-from .budgeted import ProgressCallback, dequantize_to_float32, evaluate_parameters
+from .budgeted import ProgressCallback, dequantize_to_float32, evaluate_parameters, parameters_of
 from .helper_thread import HelperJob, import_mlx_lm
 from .names import ModelSource, SourceKind, cache_dir, resolve
 from .policy import read_in_blocks, use_cpu_fast_path
@@ -120,7 +119,7 @@ class ModelStore:
         arrays are evaluated on the worker's stream.
         """
         model.eval()
-        nbytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        nbytes = sum(p.nbytes for _, p in parameters_of(model))
         source = ModelSource(name, SourceKind.MEMORY, Path(f"<memory:{name}>"))
         loaded = LoadedModel(source, model, tokenizer, dict(config or {}), nbytes, 0.0)
         with self._lock:

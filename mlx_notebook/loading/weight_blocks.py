@@ -24,7 +24,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 
@@ -37,9 +37,17 @@ BLOCK_SAFE_MODEL_TYPES = frozenset(
 )
 
 _DTYPES = {
-    "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32,
-    "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
-    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64,
+    "BF16": mx.bfloat16,
+    "F16": mx.float16,
+    "F32": mx.float32,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
 }
 
 
@@ -56,7 +64,7 @@ class StoredTensor:
 
     path: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     offset: int
 
     def matches(self, array: mx.array) -> bool:
@@ -76,9 +84,9 @@ class StoredTensor:
         return size
 
 
-def index_folder(folder: Path) -> Dict[str, StoredTensor]:
+def index_folder(folder: Path) -> dict[str, StoredTensor]:
     """Map tensor names to their place in the folder's ``model*.safetensors`` (mlx-lm's glob)."""
-    index: Dict[str, StoredTensor] = {}
+    index: dict[str, StoredTensor] = {}
     for path in sorted(glob.glob(str(Path(folder) / "model*.safetensors"))):
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
@@ -120,12 +128,12 @@ class _RowWindow(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         done = 0
         if self._pos < len(self._head):
             done = min(len(view), len(self._head) - self._pos)
-            view[:done] = self._head[self._pos:self._pos + done]
+            view[:done] = self._head[self._pos : self._pos + done]
             self._pos += done
         while done < len(view) and self._pos < self._size:
             # os.preadv releases the GIL while the kernel copies.
@@ -139,6 +147,8 @@ class _RowWindow(io.RawIOBase):
 
 def read_rows(fd: int, stored: StoredTensor, first: int, count: int) -> mx.array:
     """Read ``count`` rows from ``first`` into an evaluated array on the default stream."""
-    block = mx.load(_RowWindow(fd, stored, first, count), format="safetensors")["w"]
+    # mx.load reads any binary file object (typed as BinaryIO), eagerly.
+    loaded = mx.load(cast(BinaryIO, _RowWindow(fd, stored, first, count)), format="safetensors")
+    block = cast(dict[str, mx.array], loaded)["w"]
     mx.eval(block)
     return block

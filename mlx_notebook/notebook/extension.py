@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 from IPython.core.error import UsageError
 from traitlets import TraitError
@@ -30,7 +30,7 @@ _REGISTRY_KEY = MLXGen.__name__
 _EVENTS = ("pre_run_cell", "post_run_cell")
 
 
-def loaded_magics(ipython: Any) -> Optional[MLXGen]:
+def loaded_magics(ipython: Any) -> MLXGen | None:
     """The ``MLXGen`` instance registered in ``ipython``, or ``None``."""
     magics = ipython.magics_manager.registry.get(_REGISTRY_KEY)
     return magics if isinstance(magics, MLXGen) else None
@@ -77,7 +77,7 @@ def unload(ipython: Any) -> None:
         except ValueError:  # already gone
             pass
     manager = ipython.magics_manager
-    registered: Dict[str, Dict[str, str]] = magics.magics or {}
+    registered: dict[str, dict[str, str]] = magics.magics or {}
     for kind, names in registered.items():
         table = manager.magics.get(kind, {})
         for name in names:

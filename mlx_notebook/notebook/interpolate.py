@@ -21,7 +21,8 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import InvalidArgumentError
 
@@ -67,8 +68,7 @@ def _resolve(path: str, namespace: Mapping[str, Any]) -> str:
     root, *attrs = path.split(".")
     if root not in namespace:
         raise UnknownVariableError(
-            f"unknown variable {{{root}}} in the prompt; define it or write "
-            f"{{{{{path}}}}} for literal braces"
+            f"unknown variable {{{root}}} in the prompt; define it or write {{{{{path}}}}} for literal braces"
         )
     value = namespace[root]
     walked = root
@@ -84,6 +84,4 @@ def _resolve(path: str, namespace: Mapping[str, Any]) -> str:
     try:
         return str(value)
     except Exception as exc:  # a broken __str__ must not take down the magic
-        raise InvalidArgumentError(
-            f"{{{path}}} in the prompt: str() failed with {type(exc).__name__}: {exc}"
-        ) from None
+        raise InvalidArgumentError(f"{{{path}}} in the prompt: str() failed with {type(exc).__name__}: {exc}") from None

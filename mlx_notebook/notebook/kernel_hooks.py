@@ -38,16 +38,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any
 
 from ..generation.handle import Generation
 from ..generation.worker import Worker
 
 log = logging.getLogger(__name__)
 
-WorkerProvider = Callable[[], Optional[Worker]]
+WorkerProvider = Callable[[], Worker | None]
 SignalHandler = Any  # a callable, signal.SIG_IGN, signal.SIG_DFL or None
 
 _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the helper thread
@@ -82,9 +83,9 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False
         if interrupted:
             raise KeyboardInterrupt(_stopped_message(gen))
         return
-    interrupts: List[float] = [time.perf_counter()] if interrupted else []
+    interrupts: list[float] = [time.perf_counter()] if interrupted else []
 
-    def on_sigint(signum: int, frame: Optional[FrameType]) -> None:
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
         # Only the token here: a signal handler can run while this thread holds
         # the Event lock inside gen.wait(), and gen.cancel() may take it.
         interrupts.append(time.perf_counter())
@@ -110,7 +111,7 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False
 
 
 @contextmanager
-def deferred_interrupts() -> Iterator[List[float]]:
+def deferred_interrupts() -> Iterator[list[float]]:
     """Note SIGINT instead of raising it for the block (main thread only).
 
     A ``KeyboardInterrupt`` can surface at any bytecode: inside ipywidgets'
@@ -122,7 +123,7 @@ def deferred_interrupts() -> Iterator[List[float]]:
     Yields:
         The times of the interrupts that arrived (empty if none).
     """
-    noted: List[float] = []
+    noted: list[float] = []
     if threading.current_thread() is not threading.main_thread():
         yield noted
         return
@@ -136,10 +137,7 @@ def deferred_interrupts() -> Iterator[List[float]]:
 def _stopped_message(gen: Generation) -> str:
     latency = gen.stats.stop_latency_s
     took = f", stop took {latency * 1000:.0f} ms" if latency is not None else ""
-    return (
-        f"mlxgen #{gen.id} {gen.state} after {gen.stats.generated_tokens} tokens{took}; "
-        "the model stays loaded"
-    )
+    return f"mlxgen #{gen.id} {gen.state} after {gen.stats.generated_tokens} tokens{took}; the model stays loaded"
 
 
 def shutdown_worker(worker: Worker, *, timeout: float = SHUTDOWN_DRAIN_S) -> bool:
@@ -186,12 +184,12 @@ class KernelHooks:
         self.installed = False
         self.kernel = getattr(shell, "kernel", None)
         self._previous_idle: SignalHandler = None
-        self._helper: Optional[threading.Thread] = None
-        self._wakeup: Tuple[int, int] = (-1, -1)
-        self._idle_via: Optional[str] = None  # "kernel" or "signal"
+        self._helper: threading.Thread | None = None
+        self._wakeup: tuple[int, int] = (-1, -1)
+        self._idle_via: str | None = None  # "kernel" or "signal"
         self._had_own_do_shutdown = False
         self._own_do_shutdown: Any = None
-        self._do_shutdown: Optional[Callable[..., Any]] = None
+        self._do_shutdown: Callable[..., Any] | None = None
 
     # -- install / uninstall ------------------------------------------------
 
@@ -243,7 +241,7 @@ class KernelHooks:
         self._idle_via = None
         self._stop_helper()
 
-    def _on_idle_sigint(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_idle_sigint(self, signum: int, frame: FrameType | None) -> None:
         if not self.installed:
             self._delegate(signum, frame)
             return
@@ -261,9 +259,7 @@ class KernelHooks:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._wakeup = (read_fd, write_fd)
-        self._helper = threading.Thread(
-            target=self._helper_loop, name="mlx-notebook-interrupt", daemon=True
-        )
+        self._helper = threading.Thread(target=self._helper_loop, name="mlx-notebook-interrupt", daemon=True)
         self._helper.start()
 
     def _helper_loop(self) -> None:
@@ -292,7 +288,7 @@ class KernelHooks:
             os.close(fd)
         self._helper = None
 
-    def stop_background(self) -> List[Generation]:
+    def stop_background(self) -> list[Generation]:
         """Cancel the running and queued generations; return them."""
         worker = self.worker()
         stopped = worker.cancel_all() if worker is not None else []
@@ -300,7 +296,7 @@ class KernelHooks:
             log.info("interrupt while idle: stopping %s", ", ".join(f"#{g.id}" for g in stopped))
         return stopped
 
-    def _delegate(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _delegate(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous_idle
         if callable(previous):
             previous(signum, frame)

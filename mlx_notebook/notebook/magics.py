@@ -21,7 +21,7 @@ Example (in a notebook)::
 from __future__ import annotations
 
 import keyword
-from typing import Any, List, Optional
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -38,7 +38,6 @@ from ..loading.names import resolve
 from .interpolate import interpolate
 from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
 from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
-
 
 # Traits that are defaults of GenerationRequest fields of the same name.
 _REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget")
@@ -65,7 +64,8 @@ class MLXGen(Magics):
     """
 
     model = Unicode(
-        None, allow_none=True,
+        None,
+        allow_none=True,
         help="Model for %%mlxgen without -m: 'default' (SmolLM2-135M), a local MLX "
         "folder, a .gguf file, or a cached hub id. None means the default model.",
     ).tag(config=True)
@@ -75,14 +75,13 @@ class MLXGen(Magics):
     stop_budget = Float(
         DEFAULT_STOP_BUDGET_S, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
     ).tag(config=True)
-    wait = Bool(
-        False, help="Block the cell until the generation ends (--wait); else it runs in the background."
-    ).tag(config=True)
-    throttle = Float(0.1, help="Least seconds between two display updates while tokens stream.").tag(
+    wait = Bool(False, help="Block the cell until the generation ends (--wait); else it runs in the background.").tag(
         config=True
     )
+    throttle = Float(0.1, help="Least seconds between two display updates while tokens stream.").tag(config=True)
     ui = Enum(
-        UI_CHOICES, "auto",
+        UI_CHOICES,
+        "auto",
         help="'widget' (Stop/Pause buttons), 'text' (plain text display), or 'auto': "
         "widget in a kernel with ipywidgets, text otherwise.",
     ).tag(config=True)
@@ -93,15 +92,15 @@ class MLXGen(Magics):
         self,
         shell: Any = None,
         *,
-        worker: Optional[Worker] = None,
-        router: Optional[DisplayRouter] = None,
+        worker: Worker | None = None,
+        router: DisplayRouter | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(shell=shell, **kwargs)
         self._given_worker = worker
         self._worker = worker
         self.router = router or DisplayRouter()
-        self.hooks: Optional[KernelHooks] = None  # set by mlx_notebook.notebook.extension.load
+        self.hooks: KernelHooks | None = None  # set by mlx_notebook.notebook.extension.load
 
     # -- config checks (shown in one line by %config) --------------------------------
 
@@ -133,7 +132,7 @@ class MLXGen(Magics):
         self._worker = worker
         return worker
 
-    def used_worker(self) -> Optional[Worker]:
+    def used_worker(self) -> Worker | None:
         """The worker generations run on, or ``None`` when none was started yet.
 
         Includes the shared worker of :func:`mlx_notebook.generate`, so hooks
@@ -154,12 +153,28 @@ class MLXGen(Magics):
     @argument("-s", "--system", default=None, help="system message (MLXGen.system)")
     @argument("--raw", action="store_true", help="no chat template: feed the prompt as is")
     @argument("-o", "--out", default=None, metavar="NAME", help="bind the Generation handle to NAME")
-    @argument("--wait", dest="wait", action="store_const", const=True, default=None,
-              help="block the cell until done; Interrupt stops it safely (MLXGen.wait)")
-    @argument("--no-wait", dest="wait", action="store_const", const=False,
-              help="run in the background even if MLXGen.wait is set")
-    @argument("--budget", type=float, default=None, metavar="SECONDS",
-              help="longest a stop or pause may wait (MLXGen.stop_budget)")
+    @argument(
+        "--wait",
+        dest="wait",
+        action="store_const",
+        const=True,
+        default=None,
+        help="block the cell until done; Interrupt stops it safely (MLXGen.wait)",
+    )
+    @argument(
+        "--no-wait",
+        dest="wait",
+        action="store_const",
+        const=False,
+        help="run in the background even if MLXGen.wait is set",
+    )
+    @argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="longest a stop or pause may wait (MLXGen.stop_budget)",
+    )
     @argument("--plain", action="store_true", help="plain text display instead of the widget")
     @cell_magic
     def mlxgen(self, line: str, cell: str) -> None:
@@ -183,8 +198,11 @@ class MLXGen(Magics):
             raise _fail(error_line(exc)) from None
         # A flag given in the cell wins over the trait of the same name.
         given = {
-            "model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "system": args.system, "stop_budget": args.budget,
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "system": args.system,
+            "stop_budget": args.budget,
         }
         options = {name: getattr(self, name) if given[name] is None else given[name] for name in _REQUEST_TRAITS}
         request = GenerationRequest(prompt, top_p=args.top_p, seed=args.seed, chat=not args.raw, **options)
@@ -264,13 +282,15 @@ class MLXGen(Magics):
             tps = gen.stats.generation_tps
             prompt = gen.request.prompt
             head = " ".join(prompt.split()) if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
-            rows.append([
-                f"#{gen.id}",
-                gen.state,
-                str(gen.stats.generated_tokens),
-                f"{tps:.1f}" if tps else "-",
-                head if len(head) <= 40 else head[:39] + "…",
-            ])
+            rows.append(
+                [
+                    f"#{gen.id}",
+                    gen.state,
+                    str(gen.stats.generated_tokens),
+                    f"{tps:.1f}" if tps else "-",
+                    head if len(head) <= 40 else head[:39] + "…",
+                ]
+            )
         print(_table(rows))
 
     # -- %mlxgen_models -------------------------------------------------------------------------
@@ -296,8 +316,10 @@ class MLXGen(Magics):
         try:
             import mlx.core as mx
 
-            print(f"MLX memory: {mx.get_active_memory() / 2**20:.0f} MB active, "
-                  f"{mx.get_cache_memory() / 2**20:.0f} MB cached")
+            print(
+                f"MLX memory: {mx.get_active_memory() / 2**20:.0f} MB active, "
+                f"{mx.get_cache_memory() / 2**20:.0f} MB cached"
+            )
         except Exception:  # memory figures are a nicety
             pass
 
@@ -341,9 +363,8 @@ def _as_cell_magic_help(magic: Any) -> None:
 _as_cell_magic_help(MLXGen.mlxgen)
 
 
-def _table(rows: List[List[str]]) -> str:
+def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-

@@ -41,8 +41,9 @@ from __future__ import annotations
 import html
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
@@ -92,7 +93,7 @@ def plain_text(gen: Generation) -> str:
 
 
 @contextmanager
-def thread_parent(shell: Any, parent: Optional[Dict[str, Any]]) -> Iterator[None]:
+def thread_parent(shell: Any, parent: dict[str, Any] | None) -> Iterator[None]:
     """Route this thread's outputs to ``parent`` (a request) for the block.
 
     ipykernel 7's ``set_thread_parent`` changes the calling thread's parent
@@ -111,7 +112,7 @@ def thread_parent(shell: Any, parent: Optional[Dict[str, Any]]) -> Iterator[None
         shell.reset_thread_parent(tokens)
 
 
-def current_parent(shell: Any) -> Optional[Dict[str, Any]]:
+def current_parent(shell: Any) -> dict[str, Any] | None:
     """The parent request of the calling thread (the running cell on the main thread)."""
     getter = getattr(shell, "get_parent", None)
     if getter is None:
@@ -122,7 +123,7 @@ def current_parent(shell: Any) -> Optional[Dict[str, Any]]:
         return None
 
 
-def _msg_id(parent: Optional[Dict[str, Any]]) -> Optional[str]:
+def _msg_id(parent: dict[str, Any] | None) -> str | None:
     return (parent or {}).get("header", {}).get("msg_id")
 
 
@@ -139,7 +140,7 @@ class DisplayRouter:
     def __init__(self) -> None:
         # %load_ext runs in a cell, so a cell is running when this is made.
         self.cell_running = True
-        self._pending: List["GenerationView"] = []
+        self._pending: list[GenerationView] = []
         self._lock = threading.Lock()
 
     def pre_run_cell(self, info: Any = None) -> None:
@@ -154,7 +155,7 @@ class DisplayRouter:
         """IPython ``post_run_cell`` event."""
         self.cell_running = False
 
-    def final_sent(self, view: "GenerationView") -> None:
+    def final_sent(self, view: GenerationView) -> None:
         """Called right *after* a final display was sent from the worker thread."""
         # Read after sending: True means the send came before this cell's end.
         if not self.cell_running:
@@ -179,7 +180,7 @@ class GenerationView:
         *,
         shell: Any = None,
         throttle: float = 0.1,
-        router: Optional[DisplayRouter] = None,
+        router: DisplayRouter | None = None,
     ) -> None:
         self.gen = gen
         self.shell = shell
@@ -195,7 +196,7 @@ class GenerationView:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def show(self) -> "GenerationView":
+    def show(self) -> GenerationView:
         """Display the view in the current cell and start following the generation."""
         self._display()
         self.gen.add_listener(self.on_event)
@@ -243,12 +244,12 @@ class GenerationView:
 
     # -- shared ----------------------------------------------------------------------
 
-    def _metadata(self) -> Dict[str, Any]:
+    def _metadata(self) -> dict[str, Any]:
         gen = self.gen
         # chars lets a reader cut the text from text/plain without the status line.
         return {METADATA_KEY: {"id": gen.id, "state": gen.state, "chars": len(gen.text)}}
 
-    def progress_fraction(self) -> Tuple[str, float]:
+    def progress_fraction(self) -> tuple[str, float]:
         """``(phase, fraction done)`` for the progress bar."""
         gen = self.gen
         state = gen.state
@@ -262,11 +263,11 @@ class GenerationView:
 class _Bundle:
     """A display object with a fixed MIME bundle (for ``display`` / ``update``)."""
 
-    def __init__(self, data: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         self.data = data
         self.metadata = metadata
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Tuple[dict, dict]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
         return self.data, self.metadata
 
 
@@ -321,11 +322,12 @@ class WidgetView(GenerationView):
         self.stop_button = w.Button(
             description="Stop", icon="stop", tooltip="Stop this generation; the model stays loaded"
         )
-        self.pause_button = w.Button(
-            description="Pause", icon="pause", tooltip="Pause; Resume continues exactly"
-        )
+        self.pause_button = w.Button(description="Pause", icon="pause", tooltip="Pause; Resume continues exactly")
         self.progress = w.FloatProgress(
-            value=0.0, min=0.0, max=1.0, description="queued",
+            value=0.0,
+            min=0.0,
+            max=1.0,
+            description="queued",
             layout=w.Layout(flex="1 1 auto", min_width="12em"),
         )
         self.status = w.HTML(value="")
@@ -374,9 +376,14 @@ class WidgetView(GenerationView):
             phase, fraction = self.progress_fraction()
             # Contexts exit in reverse: the text goes out first and the stats
             # line last, so "done" never shows beside text missing its tail.
-            with self.box.hold_sync(), self.status.hold_sync(), self.progress.hold_sync(), \
-                    self.stop_button.hold_sync(), self.pause_button.hold_sync(), \
-                    self.text.hold_sync():
+            with (
+                self.box.hold_sync(),
+                self.status.hold_sync(),
+                self.progress.hold_sync(),
+                self.stop_button.hold_sync(),
+                self.pause_button.hold_sync(),
+                self.text.hold_sync(),
+            ):
                 self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(gen.text)}</pre>'
                 self._draw_buttons(state, final)
                 self.progress.description = phase
@@ -384,8 +391,7 @@ class WidgetView(GenerationView):
                 self.progress.bar_style = OUTCOME_STYLE.get(state, "info" if not final else "")
                 color = OUTCOME_COLOR.get(state, "inherit")
                 self.status.value = (
-                    f'<span style="color: {color}; font-size: 0.9em">'
-                    f"{html.escape(status_line(gen))}</span>"
+                    f'<span style="color: {color}; font-size: 0.9em">{html.escape(status_line(gen))}</span>'
                 )
 
     def _draw_buttons(self, state: State, final: bool) -> None:
@@ -470,7 +476,7 @@ def make_view(
     shell: Any,
     ui: str = "auto",
     throttle: float = 0.1,
-    router: Optional[DisplayRouter] = None,
+    router: DisplayRouter | None = None,
     waiting: bool = False,
 ) -> GenerationView:
     """The right view for this shell and setting (not shown yet: call ``show()``).
@@ -485,7 +491,7 @@ def make_view(
           Default: ``False``.
     """
     kind = choose_ui(ui, shell)
-    kwargs: Dict[str, Any] = dict(shell=shell, throttle=throttle, router=router)
+    kwargs: dict[str, Any] = dict(shell=shell, throttle=throttle, router=router)
     if kind == "terminal":
         return TerminalView(gen, stream=waiting, **kwargs)
     if kind == "text":

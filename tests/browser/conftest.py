@@ -36,9 +36,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
 
 import pytest
 
@@ -76,7 +77,7 @@ USER_SETTINGS = {
 # -- skipping -------------------------------------------------------------------------
 
 
-def missing_browser_tools() -> List[str]:
+def missing_browser_tools() -> list[str]:
     """What is missing to run the browser tests (empty when all is there)."""
     missing = []
     if importlib.util.find_spec("playwright") is None:
@@ -117,7 +118,7 @@ class LabServer:
     kernel_name: str = "python3"
     kernel_display_name: str = "Python 3 (ipykernel)"
 
-    def api(self, method: str, path: str, body: Optional[dict] = None) -> Any:
+    def api(self, method: str, path: str, body: dict | None = None) -> Any:
         """Call the server's REST API (setup and teardown only, never for the scenario)."""
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(
@@ -137,7 +138,7 @@ class LabServer:
             return ""
 
 
-def _server_env(home: Path) -> Dict[str, str]:
+def _server_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")  # the kernel imports this checkout
@@ -149,7 +150,7 @@ def _server_env(home: Path) -> Dict[str, str]:
     return env
 
 
-def start_lab(home: Path, cache_dir: str, extra_env: Optional[Dict[str, str]] = None) -> LabServer:
+def start_lab(home: Path, cache_dir: str, extra_env: dict[str, str] | None = None) -> LabServer:
     """Start JupyterLab in ``home`` and wait until ``/api/status`` answers."""
     root = home / "root"
     for sub in ("root", "config/labconfig", "runtime", "ipython", "workspaces", "settings"):
@@ -166,7 +167,9 @@ def start_lab(home: Path, cache_dir: str, extra_env: Optional[Dict[str, str]] = 
     env["MLX_NOTEBOOK_CACHE"] = cache_dir
     env.update(extra_env or {})
     cmd = [
-        sys.executable, "-m", "jupyterlab",
+        sys.executable,
+        "-m",
+        "jupyterlab",
         "--no-browser",
         "--ServerApp.ip=127.0.0.1",
         f"--ServerApp.port={port}",
@@ -261,7 +264,7 @@ def screenshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def lab(lab_server: LabServer, browser: Any, request: pytest.FixtureRequest) -> Iterator["Lab"]:
+def lab(lab_server: LabServer, browser: Any, request: pytest.FixtureRequest) -> Iterator[Lab]:
     """A fresh page (own browser context and workspace) for one test."""
     context = browser.new_context(viewport=VIEWPORT)
     context.set_default_timeout(30_000)
@@ -295,5 +298,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
-
-

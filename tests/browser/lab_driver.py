@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_READY_S = 90.0  # kernel start plus the default model's load on a busy 2-core CPU
@@ -57,8 +58,8 @@ class WidgetState:
     text: str
     status: str
     color: str
-    stop: Dict[str, Any]
-    pause: Dict[str, Any]
+    stop: dict[str, Any]
+    pause: dict[str, Any]
     bar_class: str
     bar_width: str
     phase: str
@@ -76,7 +77,7 @@ class WidgetState:
         return int(m.group(1)) if m else 0
 
     @property
-    def stop_ms(self) -> Optional[int]:
+    def stop_ms(self) -> int | None:
         """The stop latency the stats line shows (``stopped in N ms``)."""
         m = re.search(r"stopped in (\d+) ms", self.status)
         return int(m.group(1)) if m else None
@@ -85,7 +86,7 @@ class WidgetState:
 class Widget:
     """The ``%%mlxgen`` widget in one cell's output area."""
 
-    def __init__(self, notebook: "Notebook", index: int) -> None:
+    def __init__(self, notebook: Notebook, index: int) -> None:
         self.notebook = notebook
         self.page = notebook.page
         self.output = notebook.output(index)
@@ -93,14 +94,14 @@ class Widget:
         self.stop_button = self.box.locator(".widget-hbox button").nth(0)
         self.pause_button = self.box.locator(".widget-hbox button").nth(1)
 
-    def read(self) -> Optional[WidgetState]:
+    def read(self) -> WidgetState | None:
         data = self.output.evaluate(_WIDGET_STATE_JS)
         return WidgetState(**data) if data else None
 
     def wait_for(self, predicate: Any, timeout: float = GENERATION_S, what: str = "") -> WidgetState:
         """Poll the page every 50 ms until ``predicate(state)`` holds; return that state."""
         deadline = time.monotonic() + timeout
-        last: Optional[WidgetState] = None
+        last: WidgetState | None = None
         while True:
             last = self.read()
             if last is not None and predicate(last):
@@ -147,7 +148,7 @@ class Widget:
 class Notebook:
     """One open notebook in the page."""
 
-    def __init__(self, lab: "Lab", name: str) -> None:
+    def __init__(self, lab: Lab, name: str) -> None:
         self.lab = lab
         self.page = lab.page
         self.name = name
@@ -229,9 +230,7 @@ class Notebook:
                 if prompt == "[*]:" or _prompt_number(prompt) not in (None, before):
                     break
                 if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"cell {index} did not start: prompt {prompt!r}; dialogs: {self.dialogs()}"
-                    )
+                    raise AssertionError(f"cell {index} did not start: prompt {prompt!r}; dialogs: {self.dialogs()}")
                 if time.monotonic() > retry_at:
                     break
                 self.page.wait_for_timeout(50)
@@ -255,16 +254,17 @@ class Notebook:
     def menu(self, menu: str, item: str) -> None:
         """Click a main-menu entry, e.g. ``menu("Kernel", "Interrupt Kernel")``."""
         self.page.locator(".lm-MenuBar-item", has_text=re.compile(rf"^{re.escape(menu)}$")).click()
-        entry = self.page.locator(".lm-Menu-item:not(.lm-mod-hidden) .lm-Menu-itemLabel",
-                                  has_text=re.compile(rf"^{re.escape(item)}$"))
+        entry = self.page.locator(
+            ".lm-Menu-item:not(.lm-mod-hidden) .lm-Menu-itemLabel", has_text=re.compile(rf"^{re.escape(item)}$")
+        )
         entry.first.click()
 
-    def dialogs(self) -> List[str]:
+    def dialogs(self) -> list[str]:
         """The text of every open JupyterLab dialog."""
         return [d.inner_text() for d in self.page.locator(".jp-Dialog").all()]
 
 
-def _prompt_number(prompt: str) -> Optional[int]:
+def _prompt_number(prompt: str) -> int | None:
     m = re.fullmatch(r"\[(\d+)\]:", prompt)
     return int(m.group(1)) if m else None
 
@@ -283,9 +283,9 @@ class Lab:
         self.server = server
         self.page = page
         self.workspace = workspace
-        self.console_errors: List[str] = []
-        self.page_errors: List[str] = []
-        self.opened: List[str] = []
+        self.console_errors: list[str] = []
+        self.page_errors: list[str] = []
+        self.opened: list[str] = []
 
     def _on_console(self, message: Any) -> None:
         if message.type == "error":
@@ -297,7 +297,8 @@ class Lab:
 
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {
-            "name": self.server.kernel_name, "display_name": self.server.kernel_display_name,
+            "name": self.server.kernel_name,
+            "display_name": self.server.kernel_display_name,
             "language": "python",
         }
         nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
@@ -305,12 +306,12 @@ class Lab:
         nbformat.write(nb, str(path))
         return path
 
-    def copy_notebook(self, source: Path, name: Optional[str] = None) -> Path:
+    def copy_notebook(self, source: Path, name: str | None = None) -> Path:
         target = self.server.root / (name or source.name)
         shutil.copyfile(source, target)
         return target
 
-    def open(self, name: str, cells: Optional[Sequence[str]] = None) -> Notebook:
+    def open(self, name: str, cells: Sequence[str] | None = None) -> Notebook:
         """Open a notebook from the file browser (written first when ``cells`` is given).
 
         As a person does: JupyterLab starts in this test's own workspace, the
@@ -329,9 +330,7 @@ class Lab:
         page = self.page
         kernel_display_name = self.server.kernel_display_name
         page.goto(f"{self.server.url}/lab/workspaces/{self.workspace}?token={self.server.token}")
-        page.locator(".jp-LauncherCard", has_text=kernel_display_name).first.wait_for(
-            timeout=KERNEL_READY_S * 1000
-        )
+        page.locator(".jp-LauncherCard", has_text=kernel_display_name).first.wait_for(timeout=KERNEL_READY_S * 1000)
         item_name = page.locator(".jp-DirListing-itemText", has_text=re.compile(rf"^{re.escape(name)}$"))
         page.locator(".jp-DirListing-item").filter(has=item_name).dblclick()
         notebook = Notebook(self, name)
@@ -342,7 +341,8 @@ class Lab:
             kernel = notebook.panel.locator(".jp-Toolbar-kernelName")
             if (
                 notebook.panel.is_visible()
-                and kernel.count() and kernel.first.inner_text().strip() == kernel_display_name
+                and kernel.count()
+                and kernel.first.inner_text().strip() == kernel_display_name
                 and notebook.kernel_status() == "idle"
                 and notebook.cells.count() == expected_cells
             ):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import time
-from typing import List
 
 import pytest
 
@@ -33,6 +32,7 @@ pytestmark = pytest.mark.browser
 LONG = "%%mlxgen --wait -n 40\nWrite a long story about a dragon who learns to sing."
 SHORT = "%%mlxgen -n 12\nName three rivers in one sentence."
 STOP_MS_LIMIT = 2000
+
 
 def stderr_text(nb: Notebook, index: int) -> str:
     outputs = nb.output(index).locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
@@ -72,12 +72,15 @@ def test_interrupt_kernel_menu_during_wait_cell(lab: Lab) -> None:
 
 
 def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
-    nb = lab.open("restart.ipynb", [
-        "%load_ext mlx_notebook",
-        "%%mlxgen -n 200\nWrite a long story about a dragon who learns to sing.",
-        "%load_ext mlx_notebook",
-        SHORT,
-    ])
+    nb = lab.open(
+        "restart.ipynb",
+        [
+            "%load_ext mlx_notebook",
+            "%%mlxgen -n 200\nWrite a long story about a dragon who learns to sing.",
+            "%load_ext mlx_notebook",
+            SHORT,
+        ],
+    )
     nb.run(0)
     nb.run(1)
     nb.widget(1).wait_for(lambda s: s.state == "decoding" and s.tokens >= 3, what="3 tokens")
@@ -90,8 +93,8 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
 
     # Watch the page through the restart: the kernel leaves idle and comes back,
     # and no other dialog (an error, "kernel died", "restart failed") shows up.
-    statuses: List[str] = []
-    extra_dialogs: List[str] = []
+    statuses: list[str] = []
+    extra_dialogs: list[str] = []
     deadline = time.monotonic() + 90
     while True:
         status = nb.kernel_status()

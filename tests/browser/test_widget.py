@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -26,9 +25,9 @@ GREEN, ORANGE, RED = "rgb(46, 125, 50)", "rgb(230, 81, 0)", "rgb(198, 40, 40)"
 STOP_MS_LIMIT = 2000
 
 
-def watch(widget: Widget, until: str, timeout: float = 180.0) -> List[WidgetState]:
+def watch(widget: Widget, until: str, timeout: float = 180.0) -> list[WidgetState]:
     """Every state the page showed (sampled each 50 ms) until the stats line says ``until``."""
-    samples: List[WidgetState] = []
+    samples: list[WidgetState] = []
     deadline = time.monotonic() + timeout
     while True:
         state = widget.read()
@@ -50,10 +49,13 @@ def assert_final(state: WidgetState, outcome: str, bar: str, color: str) -> None
 
 
 def test_text_and_stats_stream_into_the_widget(lab: Lab, screenshot_dir: Path) -> None:
-    nb = lab.open("stream.ipynb", [
-        "%load_ext mlx_notebook",
-        "%%mlxgen -n 24\nName three rivers in one sentence.",
-    ])
+    nb = lab.open(
+        "stream.ipynb",
+        [
+            "%load_ext mlx_notebook",
+            "%%mlxgen -n 24\nName three rivers in one sentence.",
+        ],
+    )
     nb.run(0)
     # A background cell: it has finished (a number in its prompt) while tokens stream.
     assert nb.run(1) == "[2]:"
@@ -117,8 +119,11 @@ def test_pause_holds_the_text_and_resume_gives_the_uninterrupted_text(lab: Lab, 
     nb.screenshot_output(1, screenshot_dir / "widget-paused.png")
 
     widget.click_pause()  # now labelled Resume
-    widget.wait_for(lambda s: s.tokens > paused.tokens and s.state in ("decoding", "done"), timeout=60,
-                    what="more tokens after Resume")
+    widget.wait_for(
+        lambda s: s.tokens > paused.tokens and s.state in ("decoding", "done"),
+        timeout=60,
+        what="more tokens after Resume",
+    )
     resumed = widget.wait_state("done")
     assert resumed.text.startswith(paused.text) and len(resumed.text) > len(paused.text)
     assert_final(resumed, "done", "progress-bar-success", GREEN)
@@ -131,16 +136,19 @@ def test_pause_holds_the_text_and_resume_gives_the_uninterrupted_text(lab: Lab, 
 
 
 def test_stop_during_prefill_and_during_decode(lab: Lab, screenshot_dir: Path) -> None:
-    nb = lab.open("stop.ipynb", [
-        "%load_ext mlx_notebook",
-        # Quantized weights on the CPU (read when this kernel loads the model):
-        # prefill runs at ~15 tok/s on 2 cores, so 1,000 prompt tokens take
-        # about a minute, long enough to click Stop in it on any CPU.
-        "%env MLX_NOTEBOOK_CPU_DEQUANTIZE=0",
-        "long_prompt = 'word ' * 1000",
-        "%%mlxgen -n 24\n{long_prompt}",
-        "%%mlxgen -n 200\nWrite a long story about a dragon who learns to sing.",
-    ])
+    nb = lab.open(
+        "stop.ipynb",
+        [
+            "%load_ext mlx_notebook",
+            # Quantized weights on the CPU (read when this kernel loads the model):
+            # prefill runs at ~15 tok/s on 2 cores, so 1,000 prompt tokens take
+            # about a minute, long enough to click Stop in it on any CPU.
+            "%env MLX_NOTEBOOK_CPU_DEQUANTIZE=0",
+            "long_prompt = 'word ' * 1000",
+            "%%mlxgen -n 24\n{long_prompt}",
+            "%%mlxgen -n 200\nWrite a long story about a dragon who learns to sing.",
+        ],
+    )
     for i in range(4):
         nb.run(i)
 
@@ -170,12 +178,15 @@ def test_stop_during_prefill_and_during_decode(lab: Lab, screenshot_dir: Path) -
 
 
 def test_prompt_longer_than_the_context_fails_in_the_widget(lab: Lab, screenshot_dir: Path) -> None:
-    nb = lab.open("failed.ipynb", [
-        "%load_ext mlx_notebook",
-        "too_long = 'word ' * 9000",
-        "%%mlxgen -n 8\n{too_long}",
-        "%%mlxgen -n 8\nName three rivers in one sentence.",
-    ])
+    nb = lab.open(
+        "failed.ipynb",
+        [
+            "%load_ext mlx_notebook",
+            "too_long = 'word ' * 9000",
+            "%%mlxgen -n 8\n{too_long}",
+            "%%mlxgen -n 8\nName three rivers in one sentence.",
+        ],
+    )
     for i in range(3):
         nb.run(i)
     widget = nb.widget(2)
