@@ -353,3 +353,71 @@ def test_layer_groups_shrink_as_the_context_grows(tiny_model):
     # A falling rate (noise) never plans below the last measurement.
     runner._samples = [(100.0, 2e-4), (300.0, 1e-4)]
     assert runner._per_layer_token(500.0) == pytest.approx(1e-4)
+
+
+def test_decode_keeps_one_step_in_flight_when_two_do_not_fit(worker, tiny_model):
+    expected = reference(worker, tiny_model, max_tokens=24)
+    roomy = run(worker, tiny_model, max_tokens=24, stop_budget=10.0)
+    roomy.result(timeout=60)
+    # A budget below one step: one step in flight, said in the stats, same tokens.
+    tight = run(worker, tiny_model, max_tokens=24, stop_budget=1e-7)
+    tight.result(timeout=60)
+    assert roomy.tokens == tight.tokens == expected
+    assert roomy.stats.decode_in_flight == 2 and not roomy.stats.budget_below_step
+    assert tight.stats.decode_in_flight == 1 and tight.stats.budget_below_step
+    assert tight.stats.decode_step_s is not None and tight.stats.decode_step_s > 1e-7
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.9, "seed": 3}])
+def test_pause_resume_is_exact_with_one_step_in_flight(worker, tiny_model, sampling):
+    expected = reference(worker, tiny_model, max_tokens=30, stop_budget=1e-7, **sampling)
+    gen = run(worker, tiny_model, max_tokens=30, stop_budget=1e-7, **sampling)
+    while len(gen.tokens) < 5 and not gen.finished:
+        time.sleep(0.0005)
+    gen.pause()
+    deadline = time.time() + 30
+    while gen.state != "paused" and time.time() < deadline:
+        time.sleep(0.001)
+    assert gen.state == "paused"
+    gen.resume()
+    gen.result(timeout=60)
+    assert gen.tokens == expected
+
+
+def test_wired_limit_on_metal_is_raised_and_restored_after_a_sync(worker, tiny_model, monkeypatch):
+    """Metal faked (nothing here runs on Apple hardware): what mlx-lm's wired_limit does, on the worker's stream."""
+    from mlx_notebook.generation import wired
+
+    calls = []
+    real_sync = mx.synchronize
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1 << 30})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: calls.append(("limit", n)) or 7)
+
+    def sync(*args):
+        calls.append(("sync",))
+        return real_sync(*args)
+
+    monkeypatch.setattr(wired.mx, "synchronize", sync)
+    expected = reference(worker, tiny_model, max_tokens=12)
+    limits = [c for c in calls if c[0] == "limit"]
+    assert limits == [("limit", 1 << 30), ("limit", 7)]
+    # The old limit comes back only after the stream was synchronized.
+    restore = calls.index(("limit", 7))
+    assert ("sync",) in calls[calls.index(("limit", 1 << 30)) : restore]
+    # A stop restores it too.
+    calls.clear()
+    gen = run(worker, tiny_model, max_tokens=100000)
+    while len(gen.tokens) < 3:
+        time.sleep(0.001)
+    gen.cancel()
+    assert gen.wait(30) and gen.state == "stopped"
+    assert [c for c in calls if c[0] == "limit"] == [("limit", 1 << 30), ("limit", 7)]
+    assert expected  # the model kept generating normally under the fake
+
+
+def test_no_wired_limit_off_metal(worker, tiny_model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: calls.append(n) or 0)
+    reference(worker, tiny_model, max_tokens=4)
+    assert calls == []

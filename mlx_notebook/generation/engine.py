@@ -32,6 +32,7 @@ from .request import GenerationRequest
 from .sampling import make_sampler
 from .states import State
 from .stats import FinishReason, GenerationStats
+from .wired import wired_limit
 
 # A chunk is sized to this share of the budget: per-token cost grows with the
 # prompt position (attention), so the next chunk runs a bit slower than the last.
@@ -91,11 +92,12 @@ class Engine:
             from mlx_lm.models.cache import make_prompt_cache
 
             cache = make_prompt_cache(loaded.model)
-            prefill_start = time.perf_counter()
-            prefill(loaded, cache, prompt, pace=pace, sink=sink)
-            return decode(
-                loaded, cache, prompt, request, pace=pace, sink=sink, start=start, prefill_start=prefill_start
-            )
+            with wired_limit(loaded.model, self.stream):
+                prefill_start = time.perf_counter()
+                prefill(loaded, cache, prompt, pace=pace, sink=sink)
+                return decode(
+                    loaded, cache, prompt, request, pace=pace, sink=sink, start=start, prefill_start=prefill_start
+                )
 
 
 def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink) -> None:
