@@ -22,12 +22,14 @@ EOS is ignored in both (so every run decodes the same number of tokens).
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import platform
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,11 +38,69 @@ import mlx.core as mx
 import mlx_notebook
 
 SYNTHETIC = {
-    # Llama-3-8B's shape, random bf16 weights (16 GB).
-    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, dtype="bfloat16"),
-    # Small enough for a CPU smoke run of this script.
-    "tiny": dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=512, vocab=4096, dtype="float32"),
+    # Random weights in real shapes, with tokenizers of real size (testkit.real_tokenizer):
+    # Llama-3-8B (128,256 tokens) and Qwen3-8B (151,936), bf16, ~16 GB each.
+    "llama3-8b": dict(
+        arch="llama",
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=14336,
+        tie_embeddings=False,
+        dtype="bfloat16",
+    ),
+    "qwen3-8b": dict(
+        arch="qwen3",
+        hidden=4096,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=12288,
+        tie_embeddings=False,
+        dtype="bfloat16",
+    ),
+    # Small enough for a CPU run, with the same full-size tokenizers.
+    "llama-tiny": dict(arch="llama", hidden=256, layers=8, heads=8, kv_heads=4, intermediate=512, dtype="float32"),
+    "qwen3-tiny": dict(arch="qwen3", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, dtype="float32"),
 }
+
+
+class GilSampler:
+    """A thread that sleeps 1 ms at a time: a late wake-up means another thread held the GIL.
+
+    A stop needs the GIL (``cancel()``, the worker's checkpoint, ``wait()``
+    returning), so the longest hold while a phase runs bounds its stop latency.
+    """
+
+    SLEEP_S = 0.001
+
+    def __init__(self) -> None:
+        self.starts = array.array("d")
+        self.ends = array.array("d")
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gil-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop:
+            time.sleep(self.SLEEP_S)
+            now = time.perf_counter()
+            self.starts.append(last)
+            self.ends.append(now)
+            last = now
+
+    def longest_ms(self, t0: float, t1: float) -> float:
+        """The longest hold (ms) among the gaps that overlap ``[t0, t1]``."""
+        holds = [e - s - self.SLEEP_S for s, e in zip(self.starts, self.ends) if e > t0 and s < t1]
+        return max(holds, default=0.0) * 1e3
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def percentile(values, q):
@@ -62,40 +122,11 @@ def summary(values):
     }
 
 
-def build_synthetic(name: str, folder: Path, context: int) -> str:
-    """Write a random-weight llama folder (tokenizer from the test helper)."""
-    import json as _json
+def build_synthetic(name: str, folder: Path) -> str:
+    """Write a random-weight model folder of a real shape, with a tokenizer of real size."""
+    from testkit.real_tokenizer import make_real_model
 
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    from testkit.tiny_model import make_tiny_model
-
-    shape = SYNTHETIC[name]
-    make_tiny_model(folder, layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64, vocab=384)
-    config = _json.loads((folder / "config.json").read_text())
-    config.update(
-        hidden_size=shape["hidden"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        intermediate_size=shape["intermediate"],
-        vocab_size=shape["vocab"],
-        max_position_embeddings=context + 1024,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
-    (folder / "config.json").write_text(_json.dumps(config))
-    dtype = getattr(mx, shape["dtype"])
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    weights = {}
-    for key, value in tree_flatten(model.parameters()):
-        weights[key] = (mx.random.normal(value.shape) * 0.02).astype(dtype) if value.ndim == 2 else value.astype(dtype)
-        mx.eval(weights[key])
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    del weights, model
-    mx.clear_cache()
-    return str(folder)
+    return str(make_real_model(folder, **SYNTHETIC[name]))
 
 
 def open_model(model: str, synthetic, context: int, folder: Path):
@@ -106,7 +137,7 @@ def open_model(model: str, synthetic, context: int, folder: Path):
     name = model
     if synthetic:
         t0 = time.perf_counter()
-        name = build_synthetic(synthetic, folder / synthetic, context)
+        name = build_synthetic(synthetic, folder / synthetic)
         print(f"built {synthetic} in {time.perf_counter() - t0:.1f} s", flush=True)
     worker = mlx_notebook.Worker()
     t0 = time.perf_counter()
@@ -176,7 +207,8 @@ def measure_throughput(worker, name, ids, args, pieces):
     }
 
 
-def stop_once(worker, name, ids, args, phase, window_s, rng, pieces):
+def stop_once(worker, name, ids, args, phase, window_s, rng, pieces, sampler):
+    started = time.perf_counter()
     if phase == "load":
         worker.call(lambda store: store.unload(name))
     else:
@@ -196,10 +228,11 @@ def stop_once(worker, name, ids, args, phase, window_s, rng, pieces):
     gen.cancel()
     gen.wait()
     latency = time.perf_counter() - t0
+    gil_ms = sampler.longest_ms(started, time.perf_counter())
     hit = state == wanted
     if phase == "load":
         worker.call(lambda store: store.get(name))  # reload for the next phase
-    return latency, hit, gen.stats.stop_latency_s
+    return latency, hit, gen.stats.stop_latency_s, gil_ms
 
 
 def main() -> None:
@@ -217,13 +250,16 @@ def main() -> None:
     ap.add_argument("--phases", default="load,prefill,decode", help="comma list; empty for throughput only")
     ap.add_argument("--decode-max-length", type=int, default=None, help="skip decode stops above this length")
     ap.add_argument("--long-rounds", type=int, default=None, help="stop samples per phase for prompts >= 16k")
+    ap.add_argument("--build-dir", help="where --synthetic models are built (reused when present)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(0)
 
     tmp = tempfile.TemporaryDirectory(prefix="mlxnb-bench-")
-    worker, name, vocab, load_s = open_model(args.model, args.synthetic, max(lengths), Path(tmp.name))
+    folder = Path(args.build_dir) if args.build_dir else Path(tmp.name)
+    worker, name, vocab, load_s = open_model(args.model, args.synthetic, max(lengths), folder)
+    sampler = GilSampler()
     result = {
         "device": str(mx.default_device()),
         "device_info": {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else {},
@@ -261,24 +297,35 @@ def main() -> None:
                     continue
                 if phase == "load" and (length != lengths[0] or pieces != pieces_list[0]):
                     continue
-                lat, internal, hits = [], [], 0
+                lat, internal, gil, hits = [], [], [], 0
                 for _ in range(rounds):
-                    latency, hit, inner = stop_once(worker, name, ids, args, phase, window, rng, pieces)
+                    latency, hit, inner, gil_ms = stop_once(
+                        worker, name, ids, args, phase, window, rng, pieces, sampler
+                    )
                     if hit:
                         hits += 1
                         lat.append(latency)
+                        gil.append(gil_ms)
                         if inner is not None:
                             internal.append(inner)
-                part["stop"][phase] = {"external": summary(lat), "internal": summary(internal), "hits": hits}
+                part["stop"][phase] = {
+                    "external": summary(lat),
+                    "internal": summary(internal),
+                    "hits": hits,
+                    # Longest GIL hold (ms) on any thread in each round, from submit to stopped.
+                    "gil_hold_ms": summary(gil),
+                }
                 s = part["stop"][phase]["external"]
                 if s["n"]:
                     print(
                         f"{length} {pieces} stop {phase}: n={s['n']} p50={s['p50'] * 1e3:.1f} ms "
-                        f"p95={s['p95'] * 1e3:.1f} ms p99={s['p99'] * 1e3:.1f} ms max={s['max'] * 1e3:.1f} ms",
+                        f"p95={s['p95'] * 1e3:.1f} ms p99={s['p99'] * 1e3:.1f} ms max={s['max'] * 1e3:.1f} ms "
+                        f"longest GIL hold {max(gil):.1f} ms",
                         flush=True,
                     )
                 save(result, args.out)
     worker.shutdown()
+    sampler.close()
     save(result, args.out)
     if args.out:
         print(f"wrote {args.out}")
