@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from .tiny_model import CHAT_TEMPLATE
 
@@ -46,7 +45,7 @@ PRESETS = {
 _FORMAT_VERSION = 2  # bump when the generated content changes (invalidates caches)
 
 
-def _byte_alphabet() -> List[str]:
+def _byte_alphabet() -> list[str]:
     """GPT-2's 256 printable stand-ins for bytes, in byte order."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
@@ -60,7 +59,7 @@ def _byte_alphabet() -> List[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def _synthetic_merges(n_merges: int, seed: int) -> tuple[Dict[str, int], List[List[str]]]:
+def _synthetic_merges(n_merges: int, seed: int) -> tuple[dict[str, int], list[list[str]]]:
     """A valid BPE vocabulary and merge list of ``256 + n_merges`` tokens.
 
     The first merges build common English words (with and without the ``Ġ``
@@ -70,9 +69,9 @@ def _synthetic_merges(n_merges: int, seed: int) -> tuple[Dict[str, int], List[Li
     """
     rng = random.Random(seed)
     alphabet = _byte_alphabet()
-    vocab: Dict[str, int] = {c: i for i, c in enumerate(alphabet)}
-    tokens: List[str] = list(alphabet)
-    merges: List[List[str]] = []
+    vocab: dict[str, int] = {c: i for i, c in enumerate(alphabet)}
+    tokens: list[str] = list(alphabet)
+    merges: list[list[str]] = []
 
     def add(a: str, b: str) -> bool:
         new = a + b
@@ -118,8 +117,7 @@ def _synthetic_merges(n_merges: int, seed: int) -> tuple[Dict[str, int], List[Li
     return vocab, merges
 
 
-def tokenizer_json(vocab: int = 151936, *, n_special: int = 26, style: str = "qwen",
-                   seed: int = 0) -> dict:
+def tokenizer_json(vocab: int = 151936, *, n_special: int = 26, style: str = "qwen", seed: int = 0) -> dict:
     """The content of a real-size ``tokenizer.json`` (see the module docstring)."""
     if n_special < len(SPECIAL_TOKENS):
         raise ValueError(f"n_special must be >= {len(SPECIAL_TOKENS)}")
@@ -139,12 +137,18 @@ def tokenizer_json(vocab: int = 151936, *, n_special: int = 26, style: str = "qw
         raise ValueError(f"unknown style {style!r}")
     first = len(bpe_vocab)
     added = [
-        {"id": first + i, "content": s, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": first + i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, s in enumerate(specials)
     ]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                  "use_regex": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
         "version": "1.0",
         "truncation": None,
@@ -154,18 +158,23 @@ def tokenizer_json(vocab: int = 151936, *, n_special: int = 26, style: str = "qw
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated",
-                 "invert": False},
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
                 byte_level,
             ],
         },
         "post_processor": dict(byte_level),
         "decoder": dict(byte_level),
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None,
-            "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
-            "byte_fallback": False, "ignore_merges": style == "llama",
-            "vocab": bpe_vocab, "merges": merges,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": style == "llama",
+            "vocab": bpe_vocab,
+            "merges": merges,
         },
     }
 
@@ -175,8 +184,7 @@ def tokenizer_config_json(tok: dict, *, style: str = "qwen") -> dict:
     return {
         "tokenizer_class": "Qwen2Tokenizer" if style == "qwen" else "PreTrainedTokenizerFast",
         "added_tokens_decoder": {
-            str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip",
-                                             "single_word", "special")}
+            str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
             for t in tok["added_tokens"]
         },
         "bos_token": None,
@@ -191,8 +199,9 @@ def tokenizer_config_json(tok: dict, *, style: str = "qwen") -> dict:
     }
 
 
-def make_real_tokenizer(folder: Path, *, vocab: int = 151936, n_special: Optional[int] = None,
-                        style: str = "qwen", seed: int = 0) -> Path:
+def make_real_tokenizer(
+    folder: Path, *, vocab: int = 151936, n_special: int | None = None, style: str = "qwen", seed: int = 0
+) -> Path:
     """Write a real-size ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``.
 
     Args:
@@ -210,11 +219,9 @@ def make_real_tokenizer(folder: Path, *, vocab: int = 151936, n_special: Optiona
     folder = Path(folder)
     if n_special is None:
         n_special = 26 if style == "qwen" else 256
-    stamp = {"version": _FORMAT_VERSION, "vocab": vocab, "n_special": n_special,
-             "style": style, "seed": seed}
+    stamp = {"version": _FORMAT_VERSION, "vocab": vocab, "n_special": n_special, "style": style, "seed": seed}
     stamp_file = folder / ".real_tokenizer.json"
-    if (stamp_file.exists() and (folder / "tokenizer.json").exists()
-            and (folder / "tokenizer_config.json").exists()):
+    if stamp_file.exists() and (folder / "tokenizer.json").exists() and (folder / "tokenizer_config.json").exists():
         try:
             if json.loads(stamp_file.read_text()) == stamp:
                 return folder
@@ -225,8 +232,7 @@ def make_real_tokenizer(folder: Path, *, vocab: int = 151936, n_special: Optiona
     tmp = folder / "tokenizer.json.tmp"
     tmp.write_text(json.dumps(tok, ensure_ascii=False, indent=1), encoding="utf-8")
     tmp.replace(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config_json(tok, style=style), indent=1))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_json(tok, style=style), indent=1))
     stamp_file.write_text(json.dumps(stamp))
     return folder
 
@@ -239,9 +245,9 @@ def make_real_model(
     layers: int = 4,
     heads: int = 4,
     kv_heads: int = 2,
-    head_dim: Optional[int] = None,
-    intermediate: Optional[int] = None,
-    vocab: Optional[int] = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
     tie_embeddings: bool = True,
     dtype: str = "float32",
     seed: int = 0,
@@ -264,13 +270,11 @@ def make_real_model(
     preset = PRESETS[arch]
     vocab = vocab or preset["vocab"]
     folder = Path(folder)
-    make_real_tokenizer(folder, vocab=vocab, n_special=preset["n_special"],
-                        style=preset["style"], seed=seed)
+    make_real_tokenizer(folder, vocab=vocab, n_special=preset["n_special"], style=preset["style"], seed=seed)
     head_dim = head_dim or hidden // heads
     intermediate = intermediate or 3 * hidden
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    im_end = next(int(i) for i, t in tok_cfg["added_tokens_decoder"].items()
-                  if t["content"] == "<|im_end|>")
+    im_end = next(int(i) for i, t in tok_cfg["added_tokens_decoder"].items() if t["content"] == "<|im_end|>")
     config = {
         "model_type": arch,
         "hidden_size": hidden,
@@ -304,7 +308,7 @@ def make_real_model(
     params = tree_flatten(model.parameters())  # lazy: evaluated shard by shard on save
     del model
     target = getattr(mx, dtype)
-    shards: List[Dict[str, "mx.array"]] = [{}]
+    shards: list[dict[str, mx.array]] = [{}]
     size = 0
     for name, value in params:
         nbytes = value.size * target.size
@@ -314,8 +318,11 @@ def make_real_model(
         shards[-1][name] = value
         size += nbytes
     params = None
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
     total = 0
     for fname, shard in zip(names, shards):
@@ -327,8 +334,9 @@ def make_real_model(
         shard.clear()
         del arrays
     if len(names) > 1:
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     cfg_file.write_text(json.dumps(config, indent=1))
     weights_done.write_text(str(seed))
     return folder

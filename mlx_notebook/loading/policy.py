@@ -9,6 +9,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,3 +69,28 @@ def env_switch(name: str) -> str:
     if value in ("1", "yes", "always", "on"):
         return "on"
     return "auto"
+
+
+# Tokenizer files above this size load in a child process (see .tokenizer).
+# Building one holds the GIL in single native calls for roughly 20-45 ms per MB
+# of tokenizer.json on a 2-core CPU (9.5 MB Qwen3: 153-237 ms; 8 MB Llama 3: up
+# to 408 ms; benchmarks/gil_probe.py), and every stop waits for the GIL. The
+# tests' tiny tokenizers (tens of KB) stay in this process.
+TOKENIZER_PROCESS_MIN_BYTES = 1 << 20
+
+
+def tokenizer_in_child(folder: Path) -> bool:
+    """Whether to load ``folder``'s tokenizer in a child process.
+
+    ``MLX_NOTEBOOK_TOKENIZER_PROCESS`` is ``auto`` (default: when
+    ``tokenizer.json`` is over 1 MB, i.e. building it here would hold the GIL
+    longer than a stop may wait), ``1`` (always) or ``0`` (never: in this
+    process, on a helper thread).
+    """
+    choice = env_switch("MLX_NOTEBOOK_TOKENIZER_PROCESS")
+    if choice != "auto":
+        return choice == "on"
+    try:
+        return (Path(folder) / "tokenizer.json").stat().st_size > TOKENIZER_PROCESS_MIN_BYTES
+    except OSError:  # no tokenizer.json (sentencepiece models): transformers builds one
+        return True

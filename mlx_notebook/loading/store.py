@@ -28,7 +28,8 @@ from . import gguf, weight_blocks
 from .budgeted import ProgressCallback, dequantize_to_float32, evaluate_parameters, parameters_of
 from .helper_thread import HelperJob, import_mlx_lm
 from .names import ModelSource, SourceKind, cache_dir, resolve
-from .policy import read_in_blocks, use_cpu_fast_path
+from .policy import read_in_blocks, tokenizer_in_child, use_cpu_fast_path
+from .tokenizer import load_tokenizer as load_tokenizer_in_child
 
 
 class StreamingDetokenizer(Protocol):
@@ -181,16 +182,24 @@ class ModelStore:
         except (ValueError, FileNotFoundError, KeyError) as exc:
             raise _cannot_load(source, exc) from exc
         # The tokenizer loads on a helper thread while the weights are
-        # evaluated, so it never stands between a stop and its effect.
-        tokenizer_job = HelperJob("mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"))
+        # evaluated, so it never stands between a stop and its effect; a big
+        # one is built in a child process (its build holds the GIL too long).
+        abandoned = threading.Event()
+        tokenizer_job = HelperJob(
+            "mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"), abandoned
+        )
         stored = weight_blocks.index_folder(folder) if read_in_blocks(config) else None
-        nbytes = evaluate_parameters(model, pace, progress=progress, stored=stored)
         try:
-            tokenizer = tokenizer_job.result(pace)
-        except Cancelled:
+            nbytes = evaluate_parameters(model, pace, progress=progress, stored=stored)
+            try:
+                tokenizer = tokenizer_job.result(pace)
+            except Cancelled:
+                raise
+            except Exception as exc:
+                raise _cannot_load(source, exc) from exc
+        except BaseException:
+            abandoned.set()  # a tokenizer child process is ended, not left to finish unseen
             raise
-        except Exception as exc:
-            raise _cannot_load(source, exc) from exc
         if use_cpu_fast_path(model):
             dequantize_to_float32(model, pace, progress=progress)
             # Quantized layers of other kinds (none in the supported families) and
@@ -218,8 +227,18 @@ def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
     )
 
 
-def _load_tokenizer(folder: Path, eos_token_ids: Any) -> Tokenizer:
+def _load_tokenizer(folder: Path, eos_token_ids: Any, abandoned: threading.Event) -> Tokenizer:
+    """mlx-lm's tokenizer for ``folder``; big ones live in a child process (:mod:`.tokenizer`)."""
+    tokenizer: Tokenizer
+    if tokenizer_in_child(folder):
+
+        def wait() -> None:
+            if abandoned.is_set():
+                raise Cancelled()
+
+        tokenizer = load_tokenizer_in_child(folder, eos_token_ids, wait=wait)
+        return tokenizer
     from mlx_lm.utils import load_tokenizer
 
-    tokenizer: Tokenizer = load_tokenizer(folder, eos_token_ids=eos_token_ids)
+    tokenizer = load_tokenizer(folder, eos_token_ids=eos_token_ids)
     return tokenizer
