@@ -77,6 +77,8 @@ class LoadedModel:
         layer_pieces: Cut prefill chunks between groups of layers where the
           model's layout allows; ``False`` runs whole chunks (benchmarks
           compare both). Default: ``True``.
+        folder: The model folder it was loaded from (the converted one for a
+          GGUF file), to reload the tokenizer from. Default: ``None``.
     """
 
     source: ModelSource
@@ -88,6 +90,7 @@ class LoadedModel:
     prefill_cost: tuple[float, float] | None = None
     prefill_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
     layer_pieces: bool = True
+    folder: Path | None = None
 
 
 class ModelStore:
@@ -150,6 +153,10 @@ class ModelStore:
         with self._lock:
             found = self._models.get(source.key)
         if found is not None:
+            if not getattr(found.tokenizer, "alive", True) and found.folder is not None:
+                # Its tokenizer process was killed from outside (a signal to its
+                # group, the OOM killer): load it again, not the whole model.
+                found.tokenizer = self._tokenizer(source, found.folder, found.config, pace or unpaced())
             return found
         loaded = self._load(source, pace or unpaced(), progress)
         with self._lock:
@@ -182,24 +189,15 @@ class ModelStore:
         except (ValueError, FileNotFoundError, KeyError) as exc:
             raise _cannot_load(source, exc) from exc
         # The tokenizer loads on a helper thread while the weights are
-        # evaluated, so it never stands between a stop and its effect; a big
-        # one is built in a child process (its build holds the GIL too long).
-        abandoned = threading.Event()
-        tokenizer_job = HelperJob(
-            "mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"), abandoned
-        )
+        # evaluated, so it never stands between a stop and its effect.
+        pending = _PendingTokenizer(folder, config)
         stored = weight_blocks.index_folder(folder) if read_in_blocks(config) else None
         try:
             nbytes = evaluate_parameters(model, pace, progress=progress, stored=stored)
-            try:
-                tokenizer = tokenizer_job.result(pace)
-            except Cancelled:
-                raise
-            except Exception as exc:
-                raise _cannot_load(source, exc) from exc
         except BaseException:
-            abandoned.set()  # a tokenizer child process is ended, not left to finish unseen
+            pending.abandon()
             raise
+        tokenizer = pending.result(source, pace)
         if use_cpu_fast_path(model):
             dequantize_to_float32(model, pace, progress=progress)
             # Quantized layers of other kinds (none in the supported families) and
@@ -217,7 +215,11 @@ class ModelStore:
             config=config,
             nbytes=nbytes,
             load_s=time.perf_counter() - start,
+            folder=folder,
         )
+
+    def _tokenizer(self, source: ModelSource, folder: Path, config: dict[str, Any], pace: Pace) -> Tokenizer:
+        return _PendingTokenizer(folder, config).result(source, pace)
 
 
 def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
@@ -225,6 +227,30 @@ def _cannot_load(source: ModelSource, exc: BaseException) -> ModelFormatError:
     return ModelFormatError(
         f"{source.name}: cannot load model ({first}); give an mlx-lm model folder or a llama GGUF file"
     )
+
+
+class _PendingTokenizer:
+    """A tokenizer loading on a helper thread; big ones are built in a child process (:mod:`.tokenizer`)."""
+
+    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
+        self._abandoned = threading.Event()
+        self._job = HelperJob(
+            "mlx-notebook-tokenizer", _load_tokenizer, folder, config.get("eos_token_id"), self._abandoned
+        )
+
+    def result(self, source: ModelSource, pace: Pace) -> Tokenizer:
+        """Wait with checkpoints; a stop abandons it (a child process is ended, not left to finish)."""
+        try:
+            tokenizer: Tokenizer = self._job.result(pace)
+            return tokenizer
+        except Cancelled:
+            self.abandon()
+            raise
+        except Exception as exc:
+            raise _cannot_load(source, exc) from exc
+
+    def abandon(self) -> None:
+        self._abandoned.set()
 
 
 def _load_tokenizer(folder: Path, eos_token_ids: Any, abandoned: threading.Event) -> Tokenizer:

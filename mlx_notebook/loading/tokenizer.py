@@ -42,6 +42,7 @@ import io
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -110,6 +111,9 @@ def _error(exc: BaseException) -> tuple:
 
 def _serve() -> None:
     """Child main loop: load, describe the wrapper, then answer calls until EOF."""
+    # A kernel interrupt is SIGINT to the kernel's whole process group: it is
+    # not for the tokenizer (the new session below keeps most of them away).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.dup(1)  # the protocol channel; prints from libraries go to stderr
     os.dup2(2, 1)
     inp = 0
@@ -203,6 +207,9 @@ class _Child:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             bufsize=0,
+            # Its own process group: "Interrupt kernel" signals the kernel's group.
+            # It still ends with this process (EOF on its stdin).
+            start_new_session=True,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
         self.out = self.proc.stdin.fileno()
@@ -350,6 +357,11 @@ def _make_wrapper_class():
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover
             raise TypeError("use mlx_notebook.loading.tokenizer.load_tokenizer")
+
+        @property
+        def alive(self) -> bool:
+            """Whether the child process still runs (it can be killed from outside)."""
+            return self._tokenizer._child.proc.poll() is None
 
         @property
         def process_id(self) -> int:
