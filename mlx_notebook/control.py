@@ -194,6 +194,11 @@ class Pace:
     on_pause: Hook | None = None
     on_resume: Hook | None = None
 
+    @property
+    def requested(self) -> bool:
+        """Whether a stop or pause waits for the next checkpoint (lock-free, for hot loops)."""
+        return self.token.cancelled or self.token.pause_requested
+
     def checkpoint(self) -> None:
         """Raise :class:`Cancelled` after a stop request; block while paused."""
         self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)

@@ -151,7 +151,8 @@ def decode(
     on the budget: a stop that lands while the worker waits for a token waits
     for the queued step too, so the second step is queued only while two
     steps fit ``DECODE_BUDGET_SHARE`` of the budget. Otherwise it is submitted
-    after the checkpoint, and a stop waits for at most one step.
+    once the current token is read (at once when no stop or pause is waiting,
+    after the checkpoint when one is), and a stop waits for at most one step.
     """
     model = loaded.model
     sample = make_sampler(request)
@@ -181,6 +182,12 @@ def decode(
             mx.async_eval(next_y)
         tok = cast(int, y.item())  # a token id
         now = time.perf_counter()
+        queued = pipelined
+        if next_y is not None and not queued and tok not in eos and not pace.requested:
+            # No stop or pause waiting: queue the next step now, before this
+            # token's bookkeeping, so the device idles only while it is encoded.
+            mx.async_eval(next_y)
+            queued = True
         n += 1
         if first_token_at is None:
             first_token_at = now
@@ -206,7 +213,7 @@ def decode(
         if n % 256 == 0:
             mx.clear_cache()
         pace.checkpoint()
-        if not pipelined:
+        if not queued:
             mx.async_eval(next_y)
         y = next_y
     detokenizer.finalize()
