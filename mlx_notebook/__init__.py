@@ -41,6 +41,7 @@ from .generation.states import State
 from .generation.stats import FinishReason, GenerationStats
 from .generation.worker import Worker, default_worker
 from .loading.store import Tokenizer
+from .many import Batch, generate_many
 
 
 def generate(prompt: str | list[int], *, worker: Worker | None = None, **options: Any) -> Generation:
@@ -110,6 +111,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 __all__ = [
     "__version__",
     "DEFAULT_STOP_BUDGET_S",
+    "Batch",
     "Cancelled",
     "CancelToken",
     "FinishReason",
@@ -127,5 +129,6 @@ __all__ = [
     "active_blas",
     "default_worker",
     "generate",
+    "generate_many",
     "load_model",
 ]

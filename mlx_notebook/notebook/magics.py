@@ -35,8 +35,11 @@ from ..generation.request import GenerationRequest, check_option
 from ..generation.states import State
 from ..generation.worker import Worker, default_worker
 from ..loading.names import resolve
+from ..many import Batch, generate_many
 from .interpolate import interpolate
 from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
+from .map_inputs import map_prompts
+from .map_widget import make_map_view
 from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
 
 # Traits that are defaults of GenerationRequest fields of the same name.
@@ -176,6 +179,13 @@ class MLXGen(Magics):
         help="longest a stop or pause may wait (MLXGen.stop_budget)",
     )
     @argument("--plain", action="store_true", help="plain text display instead of the widget")
+    @argument(
+        "--map",
+        default=None,
+        metavar="NAME",
+        help="one generation per item of the list NAME, {item} in the body being the item "
+        "({item.field}, {item[key]}); one widget for all, -o binds their Batch",
+    )
     @cell_magic
     def mlxgen(self, line: str, cell: str) -> None:
         """Generate from the cell body with a local MLX model, in the background.
@@ -184,7 +194,9 @@ class MLXGen(Magics):
         variables, ``{{name}}`` is a literal ``{name}``, other braces stay as
         written. The cell returns at once and the text streams into a widget
         with Stop and Pause/Resume buttons; with ``--wait`` the cell blocks and
-        "Interrupt kernel" stops the generation safely.
+        "Interrupt kernel" stops the generation safely. With ``--map NAME`` the
+        body is filled once per item of the list ``NAME`` (``{item}``,
+        ``{item.field}``, ``{item[key]}``) and one widget shows every input.
         """
         __tracebackhide__ = True
         args = _parse(self.mlxgen, line)
@@ -192,20 +204,14 @@ class MLXGen(Magics):
             raise _fail(f"--out needs a Python variable name, got {args.out!r}")
         if not cell.strip():
             raise _fail("the cell is empty: write the prompt below the %%mlxgen line")
+        if args.map is not None:
+            self._mlxgen_map(args, cell.strip())
+            return
         try:
             prompt = interpolate(cell.strip(), self.shell.user_ns)
         except MLXNotebookError as exc:
             raise _fail(error_line(exc)) from None
-        # A flag given in the cell wins over the trait of the same name.
-        given = {
-            "model": args.model,
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "system": args.system,
-            "stop_budget": args.budget,
-        }
-        options = {name: getattr(self, name) if given[name] is None else given[name] for name in _REQUEST_TRAITS}
-        request = GenerationRequest(prompt, top_p=args.top_p, seed=args.seed, chat=not args.raw, **options)
+        request = GenerationRequest(prompt, **self._options(args))
         waiting = self.wait if args.wait is None else args.wait
         # From queueing to waiting, an interrupt is noted rather than raised: raised
         # mid-way it would leave the generation running unseen, or a widget that
@@ -231,6 +237,50 @@ class MLXGen(Magics):
         if waiting:
             if gen.state is State.FAILED and gen.error is not None:
                 raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
+
+    def _options(self, args: Any) -> dict[str, Any]:
+        """The request's options from the cell's flags; a flag wins over the trait of the same name."""
+        given = {
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "system": args.system,
+            "stop_budget": args.budget,
+        }
+        options = {name: getattr(self, name) if given[name] is None else given[name] for name in _REQUEST_TRAITS}
+        return dict(options, top_p=args.top_p, seed=args.seed, chat=not args.raw)
+
+    def _mlxgen_map(self, args: Any, template: str) -> None:
+        """``%%mlxgen --map NAME``: one generation per item, one view for all."""
+        __tracebackhide__ = True
+        try:
+            prompts = map_prompts(template, args.map, self.shell.user_ns)
+        except MLXNotebookError as exc:
+            raise _fail(error_line(exc)) from None
+        waiting = self.wait if args.wait is None else args.wait
+        # As for one generation: an interrupt from queueing to waiting is noted, then stops them all.
+        with deferred_interrupts() as interrupted:
+            try:
+                batch = generate_many(prompts, worker=self.worker, **self._options(args))
+            except MLXNotebookError as exc:
+                raise _fail(f"--map {args.map}: {error_line(exc)}") from None
+            if args.out is not None:
+                self.shell.user_ns[args.out] = batch
+            view = make_map_view(
+                batch,
+                shell=self.shell,
+                ui="text" if args.plain else self.ui,
+                throttle=self.throttle,
+                router=self.router,
+                waiting=waiting,
+            )
+            view.show()
+            if waiting or interrupted:
+                _wait_for_batch(batch, interrupted)
+        failed = [(i, g, g.error) for i, g in enumerate(batch) if g.state is State.FAILED and g.error is not None]
+        if waiting and failed:
+            index, gen, error = failed[0]
+            raise _fail(f"{len(failed)} of {len(batch)} failed; {args.map}[{index}] (#{gen.id}): {error_line(error)}")
 
     # -- %mlxgen_stop -------------------------------------------------------------------------
 
@@ -344,6 +394,27 @@ class MLXGen(Magics):
         except TimeoutError as exc:
             raise _fail(str(exc)) from None
         print(f"{name}: unloaded" if removed else f"{name}: not loaded")
+
+
+def _wait_for_batch(batch: Batch, interrupted: list[float]) -> None:
+    """Wait for every member; on an interrupt stop them all, drain, then raise ``KeyboardInterrupt``.
+
+    Runs inside :func:`.kernel_hooks.deferred_interrupts`: :func:`.kernel_hooks.wait_for`
+    turns an interrupt during its wait into a drained stop of that member, and
+    one between two waits is noted in ``interrupted``; either way the others
+    are stopped and waited for before the interrupt is raised.
+    """
+    __tracebackhide__ = True
+    try:
+        for gen in batch:
+            wait_for(gen, interrupted=bool(interrupted))
+    except KeyboardInterrupt:
+        pass
+    else:
+        return
+    batch.cancel()
+    batch.wait()  # further interrupts are noted by deferred_interrupts, never abandon the drain
+    raise KeyboardInterrupt(f"mlxgen map stopped: {batch.summary()}; the model stays loaded")
 
 
 def _parse(magic: Any, line: str) -> Any:
