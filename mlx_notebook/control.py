@@ -75,6 +75,9 @@ class CancelToken:
         self._cancelled = False
         self._paused = False
         self.events: list[ControlEvent] = []
+        # Called (outside the lock) after every request: a worker that runs
+        # several generations waits on its own condition, not on each token's.
+        self.watchers: list[Hook] = []
 
     # -- requests (any thread) ---------------------------------------------
 
@@ -87,6 +90,7 @@ class CancelToken:
             self._paused = False  # a stop ends a pause: a later resume() has nothing to undo
             self.events.append(ControlEvent("cancel", time.perf_counter()))
             self._cond.notify_all()
+        self._tell_watchers()
 
     def pause(self) -> None:
         """Ask the work to block at its next checkpoint until resumed."""
@@ -96,6 +100,7 @@ class CancelToken:
             self._paused = True
             self.events.append(ControlEvent("pause", time.perf_counter()))
             self._cond.notify_all()
+        self._tell_watchers()
 
     def resume(self) -> None:
         """Undo a pause; the work continues from where it blocked."""
@@ -105,6 +110,11 @@ class CancelToken:
             self._paused = False
             self.events.append(ControlEvent("resume", time.perf_counter()))
             self._cond.notify_all()
+        self._tell_watchers()
+
+    def _tell_watchers(self) -> None:
+        for watcher in list(self.watchers):
+            watcher()
 
     @property
     def cancelled(self) -> bool:
@@ -123,6 +133,7 @@ class CancelToken:
         *,
         on_pause: Callable[[], None] | None = None,
         on_resume: Callable[[], None] | None = None,
+        while_paused: Callable[[], None] | None = None,
     ) -> None:
         """Raise if a stop was requested; block while a pause is requested.
 
@@ -132,6 +143,10 @@ class CancelToken:
               after it returns). Default: ``None``.
             on_resume: Called once after a pause ends by resumption.
               Default: ``None``.
+            while_paused: Called again and again, outside the lock, while the
+              pause lasts, instead of blocking on this token: a worker runs
+              other generations' steps there (it must block briefly itself
+              when it has nothing to do). Default: ``None``.
 
         Raises:
             Cancelled: A stop was requested, before or during a pause.
@@ -143,21 +158,34 @@ class CancelToken:
             raise Cancelled()
         if on_pause is not None:
             on_pause()
-        with self._cond:
-            self._mark("pause")
-            while self._paused and not self._cancelled:
-                self._cond.wait()
-            if self._cancelled:
-                raise Cancelled()
-            self._mark("resume")
+        self.mark("pause")
+        while True:
+            with self._cond:
+                if self._cancelled:
+                    raise Cancelled()
+                if not self._paused:
+                    break
+                if while_paused is None:
+                    self._cond.wait()
+                    continue
+            while_paused()
+        self.mark("resume")
         if on_resume is not None:
             on_resume()
 
     def mark_stopped(self) -> float | None:
         """Record that a stop took effect; return its latency in seconds."""
-        with self._cond:
-            event = self._mark("cancel")
+        event = self.mark("cancel")
         return event.latency_s if event is not None else None
+
+    def mark(self, kind: str) -> ControlEvent | None:
+        """Record that the last request of ``kind`` ("cancel", "pause", "resume") took effect now.
+
+        For workers that act on requests without :meth:`checkpoint` (a
+        generation parked outside a batch).
+        """
+        with self._cond:
+            return self._mark(kind)
 
     def _mark(self, kind: str) -> ControlEvent | None:
         now = time.perf_counter()
@@ -187,12 +215,18 @@ class Pace:
         on_pause: Called once before a pause blocks (drain the device, report
           ``paused``). Default: ``None``.
         on_resume: Called once when a pause ends by resumption. Default: ``None``.
+        between: Called at every checkpoint before the token is checked: the
+          worker runs other generations' decode steps there, between this
+          one's pieces. Default: ``None``.
+        while_paused: See :meth:`CancelToken.checkpoint`. Default: ``None``.
     """
 
     token: CancelToken
     budget_s: float = DEFAULT_STOP_BUDGET_S
     on_pause: Hook | None = None
     on_resume: Hook | None = None
+    between: Hook | None = None
+    while_paused: Hook | None = None
 
     @property
     def requested(self) -> bool:
@@ -201,7 +235,9 @@ class Pace:
 
     def checkpoint(self) -> None:
         """Raise :class:`Cancelled` after a stop request; block while paused."""
-        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume)
+        if self.between is not None:
+            self.between()
+        self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume, while_paused=self.while_paused)
 
 
 def unpaced(budget_s: float = DEFAULT_STOP_BUDGET_S) -> Pace:

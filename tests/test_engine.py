@@ -400,6 +400,9 @@ def test_wired_limit_on_metal_is_raised_and_restored_after_a_sync(worker, tiny_m
 
     monkeypatch.setattr(wired.mx, "synchronize", sync)
     expected = reference(worker, tiny_model, max_tokens=12)
+    # The limit is held while the worker runs generations of the model: a
+    # call queued behind them runs once that ends.
+    worker.call(lambda store: None, timeout=30)
     limits = [c for c in calls if c[0] == "limit"]
     assert limits == [("limit", 1 << 30), ("limit", 7)]
     # The old limit comes back only after the stream was synchronized.
@@ -412,6 +415,7 @@ def test_wired_limit_on_metal_is_raised_and_restored_after_a_sync(worker, tiny_m
         time.sleep(0.001)
     gen.cancel()
     assert gen.wait(30) and gen.state == "stopped"
+    worker.call(lambda store: None, timeout=30)
     assert [c for c in calls if c[0] == "limit"] == [("limit", 1 << 30), ("limit", 7)]
     assert expected  # the model kept generating normally under the fake
 

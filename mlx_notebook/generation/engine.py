@@ -100,8 +100,12 @@ class Engine:
                 )
 
 
-def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink) -> None:
+def prefill(
+    loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink, start: int = 0
+) -> None:
     """Feed all but the last prompt token through the model in adaptive chunks.
+
+    ``start`` prompt tokens are in ``cache`` already (a prompt-cache hit).
 
     A :class:`~.chunks.ChunkPlanner` sizes each chunk from the measured cost
     of the recent ones so that one piece of work takes about ``BUDGET_SHARE *
@@ -114,14 +118,14 @@ def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: P
     sink.stats.prefill_pieces = runner.pieces
     shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
     planner = ChunkPlanner(loaded.prefill_cost, shapes)
-    done = 0
-    sink.progress("prefill", 0, total)
+    done = start
+    sink.progress("prefill", done, total)
     while done < to_process:
         target = pace.budget_s * BUDGET_SHARE * runner.chunk_budget_factor
         n = planner.next_chunk(target, done, to_process - done)
         t0 = time.perf_counter()
         runner.run(ids[None, done : done + n])
-        planner.observe(n, time.perf_counter() - t0, start=done)
+        planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)
         sink.stats.prefill_pieces = runner.pieces
         done += n
         sink.stats.prefill_chunks += 1

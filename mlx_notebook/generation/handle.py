@@ -173,9 +173,12 @@ class Reporter:
         generation: The handle it writes to.
     """
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, model_key: str | None = None) -> None:
         self.generation = generation
         self.stats = generation.stats
+        # The resolved model (``ModelSource.key``): the worker batches
+        # generations of the same one together.
+        self.model_key = model_key
 
     @property
     def state(self) -> State:

@@ -36,6 +36,8 @@ class ChunkRunner:
 
     pieces = PrefillPieces.CHUNKS
     chunk_budget_factor = 1.0
+    # Seconds of the last run spent outside it (in checkpoints): none here.
+    outside_s = 0.0
 
     def __init__(self, model: nn.Module, cache: list[Any]) -> None:
         self.model = model
@@ -94,6 +96,9 @@ class LayerRunner:
         self._samples: list[tuple[float, float]] = []
         self._in_flight: list[mx.array] = []
         self._calls = 0
+        self._original: list[nn.Module] = []
+        self._wrapped: list[Any] = []
+        self.outside_s = 0.0
 
     def _context(self) -> int:
         return int(getattr(self.cache[0], "offset", 0) or 0)
@@ -133,7 +138,16 @@ class LayerRunner:
         self._in_flight.append(hidden)
         while len(self._in_flight) > self.max_in_flight:
             mx.eval(self._in_flight.pop(0))
-        self.pace.checkpoint()
+        # The checkpoint may run other generations' decode steps (and a pause
+        # blocks in it): they see the real layers, and their time and the
+        # pause are not this chunk's cost.
+        t0 = time.perf_counter()
+        self.owner.layers = self._original
+        try:
+            self.pace.checkpoint()
+        finally:
+            self.owner.layers = self._wrapped
+            self.outside_s += time.perf_counter() - t0
 
     def run(self, inputs: mx.array) -> None:
         n_tokens = inputs.shape[-1]
@@ -143,6 +157,7 @@ class LayerRunner:
         wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
         self._calls = 0
         self._in_flight = []
+        self._original, self._wrapped, self.outside_s = original, wrapped, 0.0
         t0 = time.perf_counter()
         self.owner.layers = wrapped
         try:
@@ -152,7 +167,7 @@ class LayerRunner:
             self.owner.layers = original
             self._in_flight = []
         mx.eval([c.state for c in self.cache])
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 - self.outside_s
         if self._calls == 0:
             # The forward pass did not iterate the list: nothing to cut.
             self.pieces = PrefillPieces.CHUNKS

@@ -32,6 +32,7 @@ class GenerationStats:
 
     Args:
         prompt_tokens: Tokens in the prepared prompt.
+        cached_tokens: Prompt tokens taken from the prompt cache (not prefilled).
         generated_tokens: Tokens generated so far (EOS not counted).
         ttft_s: Seconds from the start of the job (load included) to the first token.
         prompt_tps: Prompt tokens per second of prefill.
@@ -47,10 +48,12 @@ class GenerationStats:
           or 1, when two steps would not fit the stop budget.
         budget_below_step: One decode step alone takes longer than the stop
           budget: a stop waits for that step, over the budget.
+        batch_size: Most generations decoded together with it (itself included).
         finish_reason: Why it ended (:class:`FinishReason`), ``None`` while it runs.
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generated_tokens: int = 0
     ttft_s: float | None = None
     prompt_tps: float | None = None
@@ -63,4 +66,5 @@ class GenerationStats:
     decode_step_s: float | None = None
     decode_in_flight: int = 2
     budget_below_step: bool = False
+    batch_size: int = 1
     finish_reason: FinishReason | None = None

@@ -1,15 +1,17 @@
 """The worker thread that owns all MLX work, and the ``Generation`` handle.
 
 Since mlx 0.31.2 streams belong to threads, so one long-lived thread runs
-every model load and generation on its own stream; jobs queue behind each
-other. A :class:`Generation` is future-like: it is returned at once, follows
-the job through its states, and lets any thread pause, resume or cancel it.
+every model load and generation on its own stream. Generations of the same
+model run together (a :class:`~.session.Session`: their decode steps are
+batched, a new one's prefill is interleaved with the others' steps); other
+jobs queue behind them. A :class:`Generation` is future-like: it is returned
+at once, follows the job through its states, and lets any thread pause,
+resume or cancel it.
 
-A generation is reported ``stopped``, ``paused``, ``failed`` or ``done`` only
-after the worker's stream has been synchronized, so nothing is left in flight.
-For each job the worker makes the generation's :class:`~mlx_notebook.control.Pace`
-(its token, its budget, and what a pause does: synchronize, report
-``paused``) and hands it down as one argument.
+When the last running generation is reported ``stopped``, ``paused``,
+``failed`` or ``done``, the worker's stream has been synchronized, so nothing
+is left in flight (one that leaves a batch while others decode leaves their
+work running).
 
 :func:`default_worker` is the process-wide worker behind
 :func:`mlx_notebook.generate` and the magics.
@@ -40,11 +42,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..control import Cancelled, Pace
 from ..loading.store import ModelStore, Tokenizer
-from .engine import Engine
 from .handle import Generation, Reporter
+from .prefix_cache import DEFAULT_PROMPT_CACHE_GB, GB
 from .request import GenerationRequest
+from .session import Session
 from .states import State
 
 log = logging.getLogger(__name__)
@@ -79,23 +81,6 @@ class _Call:
 Job = Reporter | _Call
 
 
-class _PauseHooks:
-    """What a pause does on the worker: drain the stream, report ``paused``; resume restores the state."""
-
-    def __init__(self, reporter: Reporter, stream: mx.Stream) -> None:
-        self._reporter = reporter
-        self._stream = stream
-        self._before = State.LOADING
-
-    def on_pause(self) -> None:
-        mx.synchronize(self._stream)
-        self._before = self._reporter.state
-        self._reporter.set_state(State.PAUSED)
-
-    def on_resume(self) -> None:
-        self._reporter.set_state(self._before)
-
-
 class Worker:
     """One thread that owns all MLX work, with a queue of jobs.
 
@@ -103,16 +88,20 @@ class Worker:
 
     Args:
         store: The models it loads into. Default: a new :class:`ModelStore`.
+        prompt_cache_gb: Bound of each model's prompt cache (KV caches of
+          past generations, reused by prompts that share a prefix); 0 turns
+          it off. Default: ``DEFAULT_PROMPT_CACHE_GB`` (2).
     """
 
-    def __init__(self, store: ModelStore | None = None) -> None:
+    def __init__(self, store: ModelStore | None = None, *, prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB) -> None:
         self.store = store or ModelStore()
+        self._prompt_cache_gb = prompt_cache_gb
+        self.session: Session | None = None
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._cleanup_due = False
-        self.current: Generation | None = None
         self.history: list[Generation] = []
         self.stream: mx.Stream | None = None
 
@@ -126,11 +115,12 @@ class Worker:
             ModelNotFoundError, ModelFormatError: A bad model name or file.
         """
         request.validate()
-        self.store.resolve(request.model)
+        source = self.store.resolve(request.model)
         gen = Generation(request, on_cancel=self._discard_queued)
+        gen.token.watchers.append(self._wake)
         with self._cond:
             self._check_open()
-            self._queue.append(Reporter(gen))
+            self._queue.append(Reporter(gen, source.key))
             self.history.append(gen)
             self._start_thread()
             self._cond.notify_all()
@@ -166,6 +156,45 @@ class Worker:
             self._thread.start()
             _live_workers.add(self)
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- the session's side of the queue (worker thread) --------------------------------
+
+    def take_joiner(self, key: str, accept: Callable[[Reporter], bool]) -> Reporter | None:
+        """The queue's first job, if it is a generation of model ``key`` that ``accept`` takes.
+
+        Only the first: a generation never overtakes an earlier job (another
+        model's generation, a load or unload).
+        """
+        with self._cond:
+            if not self._queue:
+                return None
+            job = self._queue[0]
+            if isinstance(job, Reporter) and job.model_key == key and accept(job):
+                self._queue.popleft()
+                return job
+            return None
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a job is queued or a generation gets a request, at most ``timeout`` s."""
+        with self._cond:
+            if not self._queue and not self._closed:
+                self._cond.wait(timeout)
+
+    @property
+    def prompt_cache_gb(self) -> float:
+        """Bound of each model's prompt cache, in GB (0: off); setting it evicts at once."""
+        return self._prompt_cache_gb
+
+    @prompt_cache_gb.setter
+    def prompt_cache_gb(self, gb: float) -> None:
+        self._prompt_cache_gb = gb
+        for loaded in self.store.loaded():
+            if loaded.prompt_cache is not None:
+                loaded.prompt_cache.set_limit(int(gb * GB))
+
     def _discard_queued(self, gen: Generation) -> None:
         with self._cond:
             found = next((j for j in self._queue if isinstance(j, Reporter) and j.generation is gen), None)
@@ -182,10 +211,20 @@ class Worker:
         with self._cond:
             return [job.generation for job in self._queue if isinstance(job, Reporter)]
 
+    def running(self) -> list[Generation]:
+        """The generations started and not ended (prefilling, decoding, paused)."""
+        session = self.session
+        return [r.generation for r in list(session.running)] if session is not None else []
+
+    @property
+    def current(self) -> Generation | None:
+        """The first running generation, if any."""
+        running = self.running()
+        return running[0] if running else None
+
     def active(self) -> list[Generation]:
-        """The running generation (if any) followed by the queued ones."""
-        current = self.current
-        return ([current] if current is not None else []) + self.queued()
+        """The running generations followed by the queued ones."""
+        return self.running() + self.queued()
 
     @property
     def closed(self) -> bool:
@@ -252,7 +291,6 @@ class Worker:
     def _loop(self) -> None:
         # The stream is made here because streams belong to the thread that made them.
         self.stream = mx.new_stream(mx.default_device())
-        engine = Engine(self.store, self.stream)
         try:
             while True:
                 job = self._next_job()
@@ -261,7 +299,7 @@ class Worker:
                 if isinstance(job, _Call):
                     self._run_call(job)
                 else:
-                    self._run_generation(engine, job)
+                    self._run_session(job)
         finally:
             # Free this thread's streams and compile cache while the GIL is
             # held: left to the thread's C++ TLS destructors, they touch Python
@@ -283,32 +321,29 @@ class Worker:
         finally:
             job.done.set()
 
-    def _run_generation(self, engine: Engine, reporter: Reporter) -> None:
-        gen = reporter.generation
-        if gen.token.cancelled:
-            gen.stats.stop_latency_s = gen.token.mark_stopped()
-            reporter.finish(State.STOPPED)
-            return
-        self.current = gen
-        assert self.stream is not None
-        hooks = _PauseHooks(reporter, self.stream)
-        pace = Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
+    def _run_session(self, first: Reporter) -> None:
+        assert self.stream is not None  # made by the thread before it takes jobs
+        key = first.model_key or self.store.resolve(first.generation.request.model).key
+        session = Session(
+            self.store, self.stream, self, key, lambda: int(self._prompt_cache_gb * GB), self._generation_ended
+        )
+        self.session = session
         try:
-            engine.run(gen.request, pace, reporter)
-            mx.synchronize(self.stream)
-            reporter.finish(State.DONE)
-        except Cancelled:
+            session.run(first)
+        except BaseException as exc:  # a bug in the session: fail what it ran, keep the worker
+            log.exception("mlx-notebook session failed")
             self._synchronize_quietly()
-            gen.stats.stop_latency_s = gen.token.mark_stopped()
-            reporter.finish(State.STOPPED)
-        except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
-            self._synchronize_quietly()
-            log.debug("generation #%s failed", gen.id, exc_info=True)
-            _detach_traceback(exc)
-            reporter.finish(State.FAILED, error=exc)
+            for reporter in list(session.running):
+                self._generation_ended(reporter, State.FAILED, exc)
+            session.running.clear()
         finally:
-            self.current = None
+            self.session = None
             self._cleanup_due = True  # see CLEANUP_DELAY_S
+
+    def _generation_ended(self, reporter: Reporter, state: State, error: BaseException | None) -> None:
+        if error is not None:
+            _detach_traceback(error)
+        reporter.finish(state, error=error)
 
     def _synchronize_quietly(self) -> None:
         try:

@@ -79,6 +79,9 @@ class LoadedModel:
           compare both). Default: ``True``.
         folder: The model folder it was loaded from (the converted one for a
           GGUF file), to reload the tokenizer from. Default: ``None``.
+        prompt_cache: KV caches of its past generations, for prompt-prefix
+          reuse (a ``PromptCache``, made by the worker). Dropped with the
+          model. Default: ``None``.
     """
 
     source: ModelSource
@@ -91,6 +94,7 @@ class LoadedModel:
     prefill_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
     layer_pieces: bool = True
     folder: Path | None = None
+    prompt_cache: Any = None
 
 
 class ModelStore:

@@ -1,0 +1,98 @@
+"""Rows of a batched KV cache: merge, drop, extract, without reading the device.
+
+mlx-lm's ``BatchKVCache`` keeps each row's left padding as a device array, and
+its ``filter`` and ``extract`` read it back to the host (``tolist``, one read
+per layer). On a stream with a decode step queued, every such read waits for
+that step: removing one sequence from a batch of 8 took 12-18 ms on an H200
+(issue 11). The decode batch knows every row's padding on the host, so these
+helpers do the same edits with the host copy and never synchronize.
+
+Only plain ``KVCache`` layers are batched (the layouts of llama, qwen, mistral,
+phi3, gemma without sliding windows); :func:`batchable` says whether a model's
+cache is made of them.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+Cache = list[Any]
+
+
+def batchable(cache: Cache) -> bool:
+    """Whether every layer of ``cache`` is a plain ``KVCache`` (rows can be merged and split)."""
+    return bool(cache) and all(type(layer) is KVCache for layer in cache)
+
+
+def length(cache: Cache) -> int:
+    """Tokens in a single sequence's cache."""
+    return int(cache[0].offset) if cache else 0
+
+
+def merge(caches: list[Cache]) -> tuple[Cache, list[int]]:
+    """One batched cache from single-sequence caches (copies); return it and each row's left padding."""
+    lengths = [length(c) for c in caches]
+    top = max(lengths)
+    merged = [BatchKVCache.merge(list(layers)) for layers in zip(*caches)]
+    return merged, [top - n for n in lengths]
+
+
+def extend(batch: Cache, pads: list[int], other: Cache, other_pads: list[int]) -> list[int]:
+    """Append ``other``'s rows to ``batch`` in place; return the new paddings.
+
+    ``BatchKVCache.extend`` right-aligns both at the longer one's end, adding
+    the difference to the shorter side's padding.
+    """
+    size, other_size = batch[0]._idx, other[0]._idx
+    for layer, extra in zip(batch, other):
+        layer.extend(extra)
+    top = max(size, other_size)
+    return [p + top - size for p in pads] + [p + top - other_size for p in other_pads]
+
+
+def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
+    """Keep only rows ``keep`` (in that order) in place; return their paddings.
+
+    Padding every kept row shares is cut off the front, as ``BatchKVCache.filter`` does.
+    """
+    index = mx.array(keep)
+    new_pads = [pads[i] for i in keep]
+    shift = min(new_pads)
+    for layer in batch:
+        if layer.keys is not None:
+            layer.keys = layer.keys[index]
+            layer.values = layer.values[index]
+            if shift:
+                layer.keys = layer.keys[..., shift:, :]
+                layer.values = layer.values[..., shift:, :]
+        layer.offset = layer.offset[index]
+        layer.left_padding = layer.left_padding[index] - shift
+        layer._idx -= shift
+    return [p - shift for p in new_pads]
+
+
+def extract(batch: Cache, pads: list[int], row: int) -> Cache:
+    """Row ``row`` as a single-sequence cache (a copy), as ``BatchKVCache.extract`` without the read-back."""
+    out = []
+    pad = pads[row]
+    for layer in batch:
+        single = KVCache()
+        if layer.keys is not None and layer._idx > pad:
+            single.keys = mx.contiguous(layer.keys[row : row + 1, :, pad : layer._idx])
+            single.values = mx.contiguous(layer.values[row : row + 1, :, pad : layer._idx])
+            single.offset = layer._idx - pad
+        out.append(single)
+    return out
+
+
+def state_arrays(cache: Cache) -> list[mx.array]:
+    """The arrays holding ``cache``'s keys and values (to evaluate them)."""
+    return [a for layer in cache if layer.keys is not None for a in (layer.keys, layer.values)]
+
+
+__all__ = ["batchable", "extend", "extract", "keep_rows", "length", "merge", "state_arrays"]

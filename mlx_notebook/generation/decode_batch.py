@@ -1,0 +1,385 @@
+"""Decode many generations of one model together: one batched step, one token each.
+
+Decode reads every weight once per step whatever the batch size, so on a GPU
+eight sequences cost about what one does. A :class:`DecodeBatch` holds the
+sequences decoding now (rows), each with its own sampler and PRNG key, its
+own ``max_tokens``, EOS and detokenizer. Rows join after their prefill, and
+leave when they finish, stop or pause; a paused row's cache is taken out of
+the batch (parked) and re-joins on resume, so its tokens are those of an
+uninterrupted run.
+
+With one row the cache is the model's plain ``KVCache`` and a step is exactly
+the solo decode step (same graph, same tokens); with more it is mlx-lm's
+left-padded ``BatchKVCache`` (see :mod:`.batch_cache`).
+
+Like mlx-lm, the next step's graph is built and queued on the device while
+Python reads and reports the current tokens. Whether it is queued *before* the
+tokens are read (two steps in flight) depends on the stop budget: a stop that
+lands while the worker waits for a token also waits for the step queued
+behind it, so that happens only while two steps fit ``DECODE_BUDGET_SHARE`` of
+the tightest budget in the batch. Otherwise the next step is queued as soon
+as the tokens are read, unless a row has a stop or pause waiting or a
+sequence waits to join: then rows change first.
+
+Rows leave without synchronizing the stream while others keep decoding (the
+batch's work goes on anyway); when the last row leaves, the stream is
+synchronized before it is reported, so nothing is left in flight.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+
+from ..control import Pace
+from ..loading.store import LoadedModel
+from . import batch_cache
+from .batch_cache import Cache
+from .engine import Sink
+from .request import GenerationRequest
+from .sampling import Sampler, make_sampler
+from .states import State
+from .stats import FinishReason
+
+# Decode keeps a second step queued only while two steps fit this share of the
+# budget: a stop that lands while the worker waits for one token also waits
+# for the step queued behind it.
+DECODE_BUDGET_SHARE = 0.8
+# Weight of the newest decode step in the running step-time average.
+STEP_EMA = 0.2
+
+
+@dataclass
+class Row:
+    """One generation in (or parked beside) a decode batch.
+
+    Args:
+        sink: Where its tokens and stats go.
+        pace: Its stop / pause requests and budget.
+        request: What it generates.
+        prompt: Its prompt tokens.
+        cache: Its own KV cache while outside the batch (after prefill, or
+          parked); ``None`` while its rows are in the batch's cache.
+        next_token: The token it feeds next: the prompt's last token after
+          prefill, or, parked, the token computed before the pause.
+        start: When its job started (``time.perf_counter``).
+        prefill_start: When its prefill started.
+    """
+
+    sink: Sink
+    pace: Pace
+    request: GenerationRequest
+    prompt: list[int]
+    cache: Cache | None
+    next_token: int
+    start: float
+    prefill_start: float
+    sample: Sampler = field(init=False)
+    eos: set[int] = field(default_factory=set)
+    detokenizer: Any = None
+    # Read tokens, EOS included: with the prompt, what the cache holds.
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    paused_at: float | None = None
+    paused_s: float = 0.0
+    finish: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.sample = make_sampler(self.request)
+
+    @property
+    def greedy(self) -> bool:
+        return self.request.temperature == 0
+
+    def fed_tokens(self) -> list[int]:
+        """The tokens its cache holds, in order (prompt, then generated)."""
+        return self.prompt + self.tokens
+
+
+class DecodeBatch:
+    """The rows of one model decoding on the worker's stream.
+
+    Args:
+        loaded: The model.
+        stream: The worker's stream (synchronized when the last row leaves).
+        on_leave: Called with each row that left for good (done, stopped),
+          after its final state is known and before it is reported: the
+          worker keeps its cache and reports it.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        stream: mx.Stream,
+        on_leave: Callable[[Row, Cache | None, BaseException | None], None],
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.stream = stream
+        self.on_leave = on_leave
+        self.rows: list[Row] = []
+        self.ready: list[Row] = []  # prefilled or resumed, joining at the next step
+        self.parked: list[Row] = []  # paused outside the batch
+        self._cache: Cache = []
+        self._pads: list[int] = []
+        # Tokens computed by the last step, one per row, not read yet.
+        self._y: mx.array | None = None
+        self.step_s: float | None = None
+        self.in_flight = 1
+        self._last_read = 0.0
+        self.steps = 0
+
+    # -- membership -----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.ready) + len(self.parked)
+
+    def has_work(self) -> bool:
+        """Whether a step would do something (rows decoding or waiting to join)."""
+        return bool(self.rows or self.ready)
+
+    def add(self, row: Row) -> None:
+        """Queue a prefilled row to join at the next step."""
+        tokenizer = self.loaded.tokenizer
+        row.eos = set(tokenizer.eos_token_ids)
+        # Each row streams its own text: a copy of the tokenizer's detokenizer, reset.
+        row.detokenizer = copy.copy(tokenizer.detokenizer)
+        row.detokenizer.reset()
+        self.ready.append(row)
+
+    def poll_parked(self) -> None:
+        """Re-join resumed rows; end the parked rows that were stopped."""
+        for row in list(self.parked):
+            token = row.pace.token
+            if token.cancelled:
+                self.parked.remove(row)
+                row.paused_at = None
+                self._leave(row, row.cache, FinishReason.STOPPED)
+            elif not token.pause_requested:
+                self.parked.remove(row)
+                token.mark("resume")
+                now = time.perf_counter()
+                if row.paused_at is not None:
+                    row.paused_s += now - row.paused_at
+                    row.paused_at = None
+                row.sink.set_state(State.DECODING if row.first_token_at is not None else State.PREFILLING)
+                self.ready.append(row)
+
+    def all_rows(self) -> list[Row]:
+        """Every row: decoding, joining, parked."""
+        return self.rows + self.ready + self.parked
+
+    # -- one step ----------------------------------------------------------------
+
+    def step(self) -> None:
+        """Read one token of every row, report it, change rows, queue the next step."""
+        self.poll_parked()
+        if self._y is None:
+            self._admit()
+            if not self.rows:
+                return
+            self._y = self._forward([r.next_token for r in self.rows])
+            mx.async_eval(self._y)
+        y = self._y
+        continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
+        nxt = None
+        if self.in_flight == 2 and any(continuing) and not self._changes_waiting():
+            # Queued before this token is read: the device works while Python
+            # detokenizes and reports.
+            nxt = self._forward(y)
+            mx.async_eval(nxt)
+        tokens = cast(list[int], y.tolist())
+        now = time.perf_counter()
+        if self._last_read and self.steps:
+            self._measure(now - self._last_read)
+        self._last_read = now
+        self.steps += 1
+        if (
+            nxt is None
+            and any(continuing)
+            and not self._changes_waiting()
+            and not any(t in r.eos for t, r in zip(tokens, self.rows))
+        ):
+            # Nothing changes the rows: queue the next step now, before the
+            # reporting, so the device idles only while it is encoded.
+            nxt = self._forward(y)
+            mx.async_eval(nxt)
+        for row, tok, more in zip(self.rows, tokens, continuing):
+            self._report(row, tok, more, now)
+        self._change_rows(tokens, nxt)
+
+    def _changes_waiting(self) -> bool:
+        return bool(self.ready) or any(r.pace.requested for r in self.rows)
+
+    def _report(self, row: Row, tok: int, more: bool, now: float) -> None:
+        stats = row.sink.stats
+        row.tokens.append(tok)
+        if row.first_token_at is None:
+            row.first_token_at = now
+            stats.ttft_s = now - row.start
+            stats.prompt_tps = len(row.prompt) / max(now - row.prefill_start, 1e-9)
+            row.sink.set_state(State.DECODING)
+            row.sink.progress("prefill", len(row.prompt), len(row.prompt))
+        if tok in row.eos:
+            row.finish = FinishReason.EOS
+            return
+        row.detokenizer.add_token(tok)
+        n = len(row.tokens)
+        stats.generated_tokens = n
+        if n > 1:
+            # Paused time is not generation time.
+            active = now - row.first_token_at - row.paused_s
+            stats.generation_tps = (n - 1) / max(active, 1e-9)
+        if n % 32 == 1:
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        row.sink.emit([tok], row.detokenizer.last_segment)
+        if not more:
+            row.finish = FinishReason.LENGTH
+
+    def _change_rows(self, tokens: list[int], nxt: mx.array | None) -> None:
+        """Drop finished, stopped and paused rows; admit the ready ones; queue the next step."""
+        leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
+        if leaving:
+            keep = [i for i in range(len(self.rows)) if i not in leaving]
+            if not keep:
+                # The batch empties: nothing may stay in flight when the last
+                # row is reported (a stop-all, an interrupt, a pause of all).
+                mx.synchronize(self.stream)
+            for i in leaving:
+                self._take_out(self.rows[i], i, nxt, tokens[i])
+            if keep:
+                self._keep(keep)
+                if nxt is not None:
+                    nxt = nxt[mx.array(keep)] if len(keep) < len(tokens) else nxt
+                tokens = [tokens[i] for i in keep]
+            else:
+                self._cache, self._pads, self.rows = [], [], []
+                nxt = None
+        if nxt is not None:
+            self._y = nxt
+            return
+        self._y = None
+        for row, tok in zip(self.rows, tokens):
+            row.next_token = tok
+        if self.rows or self.ready:
+            self._admit()
+            self._y = self._forward([r.next_token for r in self.rows])
+            mx.async_eval(self._y)
+
+    def _take_out(self, row: Row, index: int, nxt: mx.array | None, tok: int) -> None:
+        """Row ``index`` leaves: parked (pause) or ended (done, stop)."""
+        single = self._cache if len(self.rows) == 1 else batch_cache.extract(self._cache, self._pads, index)
+        token = row.pace.token
+        if row.finish is None and token.pause_requested and not token.cancelled:
+            if nxt is not None:
+                # Drop this row's share of the step queued after ``tok``:
+                # undo its key split and trim ``tok``'s keys and values, so
+                # that resume computes exactly that step again.
+                row.sample.undo()
+                for layer in single:
+                    layer.trim(1)
+            row.next_token = tok
+            row.cache = single
+            mx.async_eval(batch_cache.state_arrays(single))
+            row.paused_at = time.perf_counter()
+            token.mark("pause")
+            row.sink.set_state(State.PAUSED)
+            self.parked.append(row)
+            return
+        finish = row.finish if row.finish is not None else FinishReason.STOPPED
+        self._leave(row, single, finish)
+
+    def _leave(self, row: Row, cache: Cache | None, finish: FinishReason) -> None:
+        if not self.rows:
+            # Nothing may stay in flight when the last row is reported.
+            mx.synchronize(self.stream)
+        if cache is not None:
+            # A copy out of the batch's arrays: evaluate it so it holds none of them.
+            mx.async_eval(batch_cache.state_arrays(cache))
+        row.finish = finish
+        row.detokenizer.finalize()
+        tail = row.detokenizer.last_segment
+        if tail:
+            row.sink.emit([], tail)
+        stats = row.sink.stats
+        stats.finish_reason = finish
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        self.on_leave(row, cache, None)
+
+    def _keep(self, keep: list[int]) -> None:
+        rows = [self.rows[i] for i in keep]
+        if len(self.rows) == 1:
+            return
+        if len(keep) == 1:
+            # Back to one row: the plain cache again (the solo step).
+            self._cache = batch_cache.extract(self._cache, self._pads, keep[0])
+            self._pads = [0]
+        else:
+            self._pads = batch_cache.keep_rows(self._cache, self._pads, keep)
+        self.rows = rows
+
+    def _admit(self) -> None:
+        """Merge the ready rows' caches into the batch (only between steps: no step built)."""
+        if not self.ready:
+            return
+        joining, self.ready = self.ready, []
+        for row in list(joining):
+            token = row.pace.token
+            if token.cancelled:
+                joining.remove(row)
+                self._leave(row, row.cache, FinishReason.STOPPED)
+            elif token.pause_requested:
+                joining.remove(row)
+                row.paused_at = time.perf_counter()
+                token.mark("pause")
+                row.sink.set_state(State.PAUSED)
+                self.parked.append(row)
+        if not joining:
+            return
+        caches = [r.cache for r in joining]
+        for r in joining:
+            r.cache = None
+        if not self.rows and len(joining) == 1:
+            self._cache, self._pads = caches[0], [0]  # type: ignore[assignment]
+        elif not self.rows:
+            self._cache, self._pads = batch_cache.merge(caches)  # type: ignore[arg-type]
+        else:
+            if len(self.rows) == 1:
+                self._cache, self._pads = batch_cache.merge([self._cache])
+            other, other_pads = batch_cache.merge(caches)  # type: ignore[arg-type]
+            self._pads = batch_cache.extend(self._cache, self._pads, other, other_pads)
+        self.rows = self.rows + joining
+
+    # -- the model -------------------------------------------------------------------
+
+    def _forward(self, inputs: list[int] | mx.array) -> mx.array:
+        """Build one decode step for every row; return the sampled tokens (lazy)."""
+        if not isinstance(inputs, mx.array):
+            inputs = mx.array(inputs, dtype=mx.uint32)
+        logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if len(self.rows) == 1:
+            return self.rows[0].sample(logprobs)
+        if all(r.greedy for r in self.rows):
+            return mx.argmax(logprobs, axis=-1)
+        # Each row samples with its own key, split once per token as when solo.
+        return mx.concatenate([r.sample(logprobs[i : i + 1]) for i, r in enumerate(self.rows)])
+
+    def _measure(self, seconds: float) -> None:
+        """Update the step time and choose how many steps to keep in flight."""
+        step = seconds if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * seconds
+        self.step_s = step
+        budget = min(r.pace.budget_s for r in self.rows)
+        self.in_flight = 2 if 2 * step <= DECODE_BUDGET_SHARE * budget else 1
+        for row in self.rows:
+            stats = row.sink.stats
+            stats.decode_step_s = step
+            stats.decode_in_flight = self.in_flight
+            stats.budget_below_step = step > row.pace.budget_s

@@ -1,0 +1,146 @@
+"""KV caches of past generations, kept to start new ones from a shared prompt prefix.
+
+Iterating on the last line of a long prompt prefills the whole document again
+on every run. A finished (or stopped) generation leaves its cache here, keyed
+by the tokens it holds; a new prompt on the same model starts from the
+longest cached prefix and prefills only the rest.
+
+An entry is never changed once stored: a hit gets a trimmed *view* (new
+``KVCache`` objects over slices of the stored arrays). MLX arrays are values,
+so the new generation's writes replace its own slices and never reach the
+entry. Entries are evicted least recently used first to stay under
+``limit_bytes``; an entry whose tokens are a prefix of a newer entry's is
+dropped when that one is stored (the newer one serves both).
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import KVCache
+
+from .batch_cache import Cache, batchable, length
+
+GB = 1e9
+# Default bound of each model's prompt cache. A 4k-token prompt of an 8B
+# model (8 KV heads x 128 dims x 32 layers, bf16) is ~0.5 GB; SmolLM2's is 80 MB.
+DEFAULT_PROMPT_CACHE_GB = 2.0
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: Cache
+    nbytes: int
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PromptCache:
+    """A byte-bounded LRU of one model's KV caches, keyed by their tokens.
+
+    Args:
+        limit_bytes: The most bytes of cache kept; 0 keeps nothing.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        # The worker stores and fetches; %mlxgen_models reads the size from the kernel thread.
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def fetch(self, prompt: list[int]) -> tuple[Cache | None, int]:
+        """A cache holding the longest cached prefix of ``prompt`` (at most all but its last token).
+
+        Returns:
+            ``(cache, n)``: a fresh cache with the first ``n`` tokens of
+            ``prompt`` in it, or ``(None, 0)`` on a miss.
+        """
+        usable_max = len(prompt) - 1
+        with self._lock:
+            best: _Entry | None = None
+            best_n = 0
+            for entry in self._entries.values():
+                n = min(_common_prefix(entry.tokens, prompt), usable_max)
+                if n > best_n:
+                    best, best_n = entry, n
+            if best is None:
+                return None, 0
+            self._entries.move_to_end(best.tokens)
+        return _view(best.cache, best_n), best_n
+
+    def store(self, tokens: list[int], cache: Cache) -> None:
+        """Keep ``cache`` (no longer written by anyone), which holds ``tokens``."""
+        if self.limit_bytes <= 0 or not tokens or not batchable(cache) or length(cache) != len(tokens):
+            return
+        key = tuple(tokens)
+        nbytes = sum(layer.nbytes for layer in cache)
+        if nbytes > self.limit_bytes:
+            return
+        with self._lock:
+            for old in list(self._entries):
+                # A stored prefix of the new tokens is served by the new entry.
+                if len(old) <= len(key) and key[: len(old)] == old:
+                    del self._entries[old]
+            self._entries[key] = _Entry(key, cache, nbytes)
+            self._evict()
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """Change the bound, evicting at once."""
+        with self._lock:
+            self.limit_bytes = limit_bytes
+            self._evict()
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def _evict(self) -> None:
+        total = sum(e.nbytes for e in self._entries.values())
+        while self._entries and total > self.limit_bytes:
+            _, entry = self._entries.popitem(last=False)
+            total -= entry.nbytes
+
+
+def _view(cache: Cache, n: int) -> Cache:
+    """New single-sequence caches over the first ``n`` positions of ``cache``."""
+    out = []
+    for layer in cache:
+        view = KVCache()
+        if n and layer.keys is not None:
+            view.keys = layer.keys[..., :n, :]
+            view.values = layer.values[..., :n, :]
+            view.offset = n
+        out.append(view)
+    return out
+
+
+def trimmed(cache: Cache, n: int) -> Cache:
+    """``cache`` cut to its first ``n`` tokens without copying (for storing)."""
+    if length(cache) == n:
+        return cache
+    return _view(cache, n)
+
+
+__all__ = ["DEFAULT_PROMPT_CACHE_GB", "PromptCache", "trimmed"]

@@ -1,0 +1,278 @@
+"""The worker's loop while generations of one model run: prefill pieces and batched decode steps.
+
+A session starts with the first queued generation and takes every generation
+of the same model queued behind it (up to the batch cap) as they arrive. Each
+one loads (once per session), prepares its prompt, starts from the longest
+cached prefix, prefills, then joins the :class:`~.decode_batch.DecodeBatch`.
+A prefill's checkpoints run one decode step of the batch, so the others keep
+streaming while a new prompt is read: between two of their tokens there is at
+most one prefill piece (sized to the budget) and one step.
+
+Pauses: a decoding generation is parked outside the batch (the others go
+on); a prefilling one blocks in its checkpoint, which meanwhile runs the
+batch's steps. The session ends when nothing runs, joins or is parked.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import mlx.core as mx
+
+from ..control import Cancelled, Pace
+from ..loading.store import LoadedModel, ModelStore
+from . import batch_cache
+from .batch_cache import Cache
+from .decode_batch import DecodeBatch, Row
+from .engine import prefill
+from .handle import Reporter
+from .prefix_cache import PromptCache, trimmed
+from .prompt import prepare_prompt
+from .states import State
+from .stats import FinishReason
+from .wired import wired_limit
+
+log = logging.getLogger(__name__)
+# How long an idle session (every generation paused) waits before looking
+# again; requests wake it at once (the tokens' watchers).
+IDLE_WAIT_S = 0.5
+
+
+class Jobs(Protocol):
+    """What a session needs from its worker."""
+
+    def take_joiner(self, key: str, accept: Callable[[Reporter], bool]) -> Reporter | None:
+        """The next queued job if it is a generation of model ``key`` that ``accept`` takes."""
+        ...
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until a job is queued or a request arrives, or ``timeout`` passes."""
+        ...
+
+
+class _PauseHooks:
+    """What a pause of a prefilling generation does: drain the stream, report ``paused``."""
+
+    def __init__(self, reporter: Reporter, stream: mx.Stream) -> None:
+        self._reporter = reporter
+        self._stream = stream
+        self._before = State.LOADING
+
+    def on_pause(self) -> None:
+        mx.synchronize(self._stream)
+        self._before = self._reporter.state
+        self._reporter.set_state(State.PAUSED)
+
+    def on_resume(self) -> None:
+        self._reporter.set_state(self._before)
+
+
+class Session:
+    """Runs generations of one model on the worker thread, which owns ``stream``.
+
+    Args:
+        store: The loaded models.
+        stream: The worker's stream.
+        jobs: The worker's queue.
+        key: The model's key (:attr:`ModelSource.key`).
+        prompt_cache_bytes: Bound of a model's prompt cache, made on first use.
+        on_end: Called with each generation's reporter, error and final state
+          when it ends, after it is reported (the worker forgets it).
+    """
+
+    def __init__(
+        self,
+        store: ModelStore,
+        stream: mx.Stream,
+        jobs: Jobs,
+        key: str,
+        prompt_cache_bytes: Callable[[], int],
+        on_end: Callable[[Reporter, State, BaseException | None], None],
+    ) -> None:
+        self.store = store
+        self.stream = stream
+        self.jobs = jobs
+        self.key = key
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.on_end = on_end
+        self.running: list[Reporter] = []
+        self.loaded: LoadedModel | None = None
+        self.batch: DecodeBatch | None = None
+        self.batchable = True
+
+    # -- the loop -----------------------------------------------------------------
+
+    def run(self, first: Reporter) -> None:
+        """Run ``first`` and every generation that joins, until none is left."""
+        with contextlib.ExitStack() as stack:
+            self._start(first, stack)
+            while True:
+                if self.batch is not None:
+                    self.batch.poll_parked()
+                job = self.jobs.take_joiner(self.key, self._fits)
+                if job is not None:
+                    self._start(job, stack)
+                elif self.batch is not None and self.batch.has_work():
+                    self._step()
+                elif self.batch is not None and self.batch.parked:
+                    self.jobs.wait_for_change(IDLE_WAIT_S)
+                else:
+                    return
+
+    def _fits(self, job: Reporter) -> bool:
+        """Whether ``job`` may join now: every member's ``max_batch`` (its own too) leaves room."""
+        if not self.running:
+            return True
+        if not self.batchable:
+            return False
+        cap = min([r.generation.request.max_batch for r in self.running] + [job.generation.request.max_batch])
+        return len(self.running) < cap
+
+    def _step(self) -> None:
+        assert self.batch is not None
+        try:
+            self.batch.step()
+        except Exception as exc:  # an MLX error: every row of the batch fails
+            log.debug("decode step failed", exc_info=True)
+            self._synchronize_quietly()
+            rows = self.batch.all_rows()
+            self.batch.rows, self.batch.ready, self.batch.parked = [], [], []
+            self.batch._cache, self.batch._pads, self.batch._y = [], [], None
+            for row in rows:
+                self._end(row.sink, State.FAILED, exc)  # type: ignore[arg-type]
+        for row in self.batch.rows:
+            row.sink.stats.batch_size = max(row.sink.stats.batch_size, len(self.batch.rows))
+
+    # -- one generation's start ------------------------------------------------------
+
+    def _start(self, reporter: Reporter, stack: contextlib.ExitStack) -> None:
+        gen = reporter.generation
+        if gen.token.cancelled:
+            gen.stats.stop_latency_s = gen.token.mark_stopped()
+            self.running.append(reporter)
+            self._end(reporter, State.STOPPED, None)
+            return
+        self.running.append(reporter)
+        hooks = _PauseHooks(reporter, self.stream)
+        pace = Pace(
+            gen.token,
+            gen.request.stop_budget,
+            on_pause=hooks.on_pause,
+            on_resume=hooks.on_resume,
+            between=self._between,
+            while_paused=self._while_paused,
+        )
+        start = time.perf_counter()
+        cache: Cache | None = None
+        prompt: list[int] = []
+        try:
+            with mx.stream(self.stream):
+                reporter.set_state(State.LOADING)
+                if self.loaded is None:
+                    mx.reset_peak_memory()
+                loaded = self.store.get(
+                    gen.request.model, pace, progress=lambda done, total: reporter.progress("load", done, total)
+                )
+                gen.stats.load_s = time.perf_counter() - start
+                if self.batch is None:
+                    self._open(loaded, stack)
+                reporter.set_state(State.PREFILLING)
+                prompt = prepare_prompt(loaded, gen.request)
+                gen.stats.prompt_tokens = len(prompt)
+                pace.checkpoint()
+                cache, cached = self._prompt_cache(loaded).fetch(prompt)
+                if cache is None:
+                    from mlx_lm.models.cache import make_prompt_cache
+
+                    cache = make_prompt_cache(loaded.model)
+                gen.stats.cached_tokens = cached
+                prefill_start = time.perf_counter()
+                prefill(loaded, cache, prompt, pace=pace, sink=reporter, start=cached)
+            assert self.batch is not None
+            self.batch.add(Row(reporter, pace, gen.request, prompt, cache, prompt[-1], start, prefill_start))
+        except Cancelled:
+            if not self._decoding():
+                self._synchronize_quietly()
+            if cache is not None and self.loaded is not None:
+                self._keep_prefix(prompt, cache)
+            gen.stats.stop_latency_s = gen.token.mark_stopped()
+            self._end(reporter, State.STOPPED, None)
+        except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
+            self._synchronize_quietly()
+            log.debug("generation #%s failed", gen.id, exc_info=True)
+            self._end(reporter, State.FAILED, exc)
+
+    def _open(self, loaded: LoadedModel, stack: contextlib.ExitStack) -> None:
+        """The model is loaded: make the batch, raise the wired limit for the session."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.loaded = loaded
+        self.batchable = batch_cache.batchable(make_prompt_cache(loaded.model))
+        self.batch = DecodeBatch(loaded, self.stream, self._row_left)
+        stack.enter_context(wired_limit(loaded.model, self.stream))
+
+    def _prompt_cache(self, loaded: LoadedModel) -> PromptCache:
+        if loaded.prompt_cache is None:
+            loaded.prompt_cache = PromptCache(self.prompt_cache_bytes())
+        cache: PromptCache = loaded.prompt_cache
+        return cache
+
+    # -- checkpoints of a prefilling generation ----------------------------------------
+
+    def _decoding(self) -> bool:
+        return self.batch is not None and bool(self.batch.rows)
+
+    def _between(self) -> None:
+        """At a prefill piece boundary: one decode step of the others."""
+        if self.batch is not None and self.batch.has_work():
+            self._step()
+
+    def _while_paused(self) -> None:
+        """While a prefilling generation is paused: the others' steps, or a short wait."""
+        if self.batch is not None:
+            self.batch.poll_parked()
+            if self.batch.has_work():
+                self._step()
+                return
+        self.jobs.wait_for_change(IDLE_WAIT_S)
+
+    # -- ends ---------------------------------------------------------------------------------
+
+    def _row_left(self, row: Row, cache: Cache | None, error: BaseException | None) -> None:
+        """A row left the batch for good: keep its cache, report it."""
+        reporter: Reporter = row.sink  # type: ignore[assignment]
+        if cache is not None:
+            self._keep_prefix(row.fed_tokens(), cache)
+        if row.finish is FinishReason.STOPPED:
+            reporter.stats.stop_latency_s = row.pace.token.mark_stopped()
+            self._end(reporter, State.STOPPED, None)
+        else:
+            self._end(reporter, State.DONE, None)
+
+    def _keep_prefix(self, tokens: list[int], cache: Cache) -> None:
+        """Store what ``cache`` holds of ``tokens`` in the model's prompt cache."""
+        if self.loaded is None or not batch_cache.batchable(cache):
+            return
+        offsets = {int(layer.offset) for layer in cache}
+        if len(offsets) != 1:
+            return  # stopped between groups of layers: the layers disagree
+        n = min(offsets.pop(), len(tokens))
+        if n > 0:
+            self._prompt_cache(self.loaded).store(tokens[:n], trimmed(cache, n))
+
+    def _end(self, reporter: Reporter, state: State, error: BaseException | None) -> None:
+        if reporter in self.running:
+            self.running.remove(reporter)
+        self.on_end(reporter, state, error)
+
+    def _synchronize_quietly(self) -> None:
+        try:
+            mx.synchronize(self.stream)
+        except Exception:  # the device error is already being reported
+            log.debug("synchronize after error failed", exc_info=True)

@@ -1,0 +1,185 @@
+"""Continuous batching and prompt-prefix reuse on a small random-weight model (fp32, CPU).
+
+Generations of one model submitted together decode in one batched step; each
+row must give exactly its solo run's tokens (greedy and seeded), whatever
+joins, stops, pauses or resumes around it, and a prompt that shares a prefix
+with an earlier one must start from its cache and still give the cold run's
+tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+import mlx_notebook
+
+# Prompts of different lengths: the batch's rows are left-padded differently.
+PROMPTS = [
+    "Once upon a time the quick brown fox",
+    "A much longer prompt about the weather in the mountains, where the wind blows all day and night",
+    "Hi",
+    "Tell me about batching sequences of different lengths together",
+]
+
+
+@pytest.fixture(scope="module")
+def solo(worker, tiny_model):
+    """Tokens of each prompt run alone (max_batch=1, no prompt cache)."""
+    worker.prompt_cache_gb = 0
+    try:
+        out = {}
+        for prompt in PROMPTS:
+            for seed in (None, 3):
+                kw = {"temperature": 0.8, "seed": seed} if seed is not None else {}
+                gen = mlx_notebook.generate(prompt, model=tiny_model, worker=worker, max_tokens=24, max_batch=1, **kw)
+                gen.result(timeout=120)
+                assert gen.stats.batch_size == 1
+                out[prompt, seed] = gen.tokens
+        return out
+    finally:
+        worker.prompt_cache_gb = 2
+
+
+def submit_all(worker, model, seed=None, **kw):
+    sampling = {"temperature": 0.8, "seed": seed} if seed is not None else {}
+    kw.setdefault("max_tokens", 24)
+    return [mlx_notebook.generate(p, model=model, worker=worker, **sampling, **kw) for p in PROMPTS]
+
+
+def test_rows_of_a_batch_give_their_solo_tokens(worker, tiny_model, solo):
+    for seed in (None, 3):
+        worker.prompt_cache_gb = 0
+        gens = submit_all(worker, tiny_model, seed=seed)
+        for gen in gens:
+            gen.result(timeout=120)
+        worker.prompt_cache_gb = 2
+        assert max(g.stats.batch_size for g in gens) > 1, "the generations never decoded together"
+        for prompt, gen in zip(PROMPTS, gens):
+            assert gen.state == "done"
+            assert gen.tokens == solo[prompt, seed], (prompt, seed)
+
+
+def test_stop_of_one_row_leaves_the_others_unchanged(worker, tiny_model, solo):
+    gens = submit_all(worker, tiny_model, max_tokens=24)
+    victim = gens[1]
+    while len(victim.tokens) < 3 and not victim.finished:
+        time.sleep(0.001)
+    victim.cancel()
+    for gen in gens:
+        gen.wait(120)
+    assert victim.state == "stopped"
+    assert victim.tokens == solo[PROMPTS[1], None][: len(victim.tokens)]
+    for prompt, gen in zip(PROMPTS, gens):
+        if gen is not victim:
+            assert gen.state == "done" and gen.tokens == solo[prompt, None]
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_pause_of_one_row_parks_it_and_resume_is_exact(worker, tiny_model, solo, seed):
+    gens = submit_all(worker, tiny_model, seed=seed, max_tokens=24)
+    paused = gens[0]
+    while len(paused.tokens) < 4 and not paused.finished:
+        time.sleep(0.001)
+    paused.pause()
+    deadline = time.monotonic() + 30
+    while paused.state != "paused" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert paused.state == "paused"
+    held = len(paused.tokens)
+    # The others go on while it is parked.
+    for gen in gens[1:]:
+        gen.result(timeout=120)
+    assert len(paused.tokens) == held
+    paused.resume()
+    paused.result(timeout=120)
+    for prompt, gen in zip(PROMPTS, gens):
+        assert gen.tokens == solo[prompt, seed], prompt
+
+
+def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
+    first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=400)
+    while len(first.tokens) < 5:
+        time.sleep(0.001)
+    second = mlx_notebook.generate(PROMPTS[1], model=tiny_model, worker=worker, max_tokens=24)
+    second.result(timeout=120)
+    assert not first.finished, "the second waited for the first instead of joining"
+    first.cancel()
+    first.wait(60)
+    assert second.tokens == solo[PROMPTS[1], None]
+    assert first.tokens[:24] == solo[PROMPTS[0], None]
+    assert second.stats.batch_size == 2
+
+
+def test_max_batch_one_runs_alone(worker, tiny_model, solo):
+    gens = submit_all(worker, tiny_model, max_batch=1)
+    for gen in gens:
+        gen.result(timeout=120)
+    assert [g.stats.batch_size for g in gens] == [1, 1, 1, 1]
+    # One at a time, in order.
+    ends = [g.stats.ttft_s for g in gens]
+    assert all(e is not None for e in ends)
+
+
+def test_stop_all_ends_every_row_and_the_worker_goes_on(worker, tiny_model, solo):
+    gens = submit_all(worker, tiny_model, max_tokens=10_000)
+    while any(len(g.tokens) < 2 for g in gens[:2]):
+        time.sleep(0.001)
+    gens[3].pause()
+    stopped = worker.cancel_all()
+    assert set(map(id, gens)) <= set(map(id, stopped))
+    for gen in gens:
+        assert gen.wait(60) and gen.state == "stopped"
+    after = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=24)
+    assert after.result(timeout=60) is not None and after.tokens == solo[PROMPTS[0], None]
+
+
+def test_random_controls_on_random_rows_keep_every_row_exact(worker, tiny_model, solo):
+    rng = random.Random(11)
+    for _ in range(3):
+        gens = submit_all(worker, tiny_model, seed=3, max_tokens=24)
+        for _ in range(12):
+            gen = rng.choice(gens)
+            action = rng.choice(["pause", "resume", "resume", "cancel", "wait"])
+            if action == "cancel" and rng.random() < 0.5:
+                continue
+            getattr(gen, action)() if action != "wait" else time.sleep(0.003)
+        for gen in gens:
+            gen.resume()
+            gen.wait(120)
+        for prompt, gen in zip(PROMPTS, gens):
+            assert gen.state in ("done", "stopped")
+            expected = solo[prompt, 3]
+            assert gen.tokens == (expected if gen.state == "done" else expected[: len(gen.tokens)])
+
+
+def test_prefix_reuse_gives_the_cold_tokens_and_counts_cached(worker, tiny_model):
+    doc = " ".join(f"word{i}" for i in range(300))
+    first, second = doc + " What is the first word?", doc + " What is the last word?"
+    worker.prompt_cache_gb = 0
+    cold = mlx_notebook.generate(second, model=tiny_model, worker=worker, max_tokens=16)
+    cold.result(timeout=120)
+    assert cold.stats.cached_tokens == 0
+    worker.prompt_cache_gb = 2
+    mlx_notebook.generate(first, model=tiny_model, worker=worker, max_tokens=16).result(timeout=120)
+    warm = mlx_notebook.generate(second, model=tiny_model, worker=worker, max_tokens=16)
+    warm.result(timeout=120)
+    assert warm.stats.cached_tokens > 0.8 * warm.stats.prompt_tokens
+    assert warm.tokens == cold.tokens
+    # The same prompt again: everything but its last token comes from the cache.
+    again = mlx_notebook.generate(second, model=tiny_model, worker=worker, max_tokens=16)
+    again.result(timeout=120)
+    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
+    assert again.tokens == cold.tokens
+
+
+def test_prompt_cache_is_bounded_and_dropped_on_unload(worker, tiny_model):
+    worker.prompt_cache_gb = 2
+    mlx_notebook.generate(PROMPTS[1], model=tiny_model, worker=worker, max_tokens=8).result(timeout=60)
+    loaded = next(m for m in worker.store.loaded() if str(m.source.path) == tiny_model)
+    assert loaded.prompt_cache is not None and loaded.prompt_cache.nbytes > 0
+    worker.prompt_cache_gb = 1e-9
+    assert loaded.prompt_cache.nbytes == 0
+    worker.prompt_cache_gb = 2
