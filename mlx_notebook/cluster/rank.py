@@ -1,0 +1,356 @@
+"""The rank server: ``python -m mlx_notebook.cluster.rank``, one per rank, started by ``mlx.launch``.
+
+Every rank loads its shard of the model with mlx-lm's ``sharded_load``
+(tensor parallel through ``model.shard(group)``, or pipeline with
+``--pipeline``), then meets the others in one small collective per idle
+tick. Rank 0 connects to the kernel's socket (:mod:`.protocol`), turns each
+request into a :class:`~.protocol.Job` (prompt tokenized, seed fixed) and
+shares it with the other ranks through the collectives; all ranks then run it
+with :func:`.steps.run_job`, agreeing at every checkpoint.
+
+No rank outlives the kernel: a lifeline thread ends the process when the
+kernel's process is gone (ranks on the kernel's host), when its parent (the
+``mlx.launch`` process) is gone, or, on rank 0, when the kernel has not
+pinged for :data:`HEARTBEAT_TIMEOUT_S`; a rank that ends that way exits
+non-zero, so ``mlx.launch`` ends the other ranks too.
+
+Example (what :func:`mlx_notebook.cluster.start` runs)::
+
+    mlx.launch -n 2 --backend ring -- python -m mlx_notebook.cluster.rank \\
+        --connect tcp://127.0.0.1:5555 --model /path/to/model --backend ring
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..control import Cancelled, CancelToken
+from ..errors import MLXNotebookError
+from ..generation.prompt import prepare_prompt
+from ..generation.request import GenerationRequest
+from ..generation.states import State
+from ..generation.stats import GenerationStats
+from ..loading.names import ModelSource, SourceKind
+from ..loading.store import LoadedModel
+from .agreement import AgreedPace, broadcast_bytes, exchange
+from .protocol import IDLE_TICK_S, Job, Op, pack, unpack
+
+# Rank 0 ends the cluster when the kernel has been silent this long (it pings
+# every PING_S): the kernel froze or its machine went away.
+HEARTBEAT_TIMEOUT_S = 20.0
+# Exit status of a rank that ends because the kernel or the launcher is gone.
+ORPHAN_EXIT = 3
+# Exit status of a rank that could not load the model.
+LOAD_EXIT = 2
+# Stats travel with every this many tokens (and with every state change).
+STATS_EVERY = 16
+
+
+def check_shardable(model: Any, config: dict[str, Any], size: int, *, pipeline: bool) -> None:
+    """Raise :class:`ValueError` (one line, with the fix) when mlx-lm cannot shard this model over ``size`` ranks."""
+    kind = config.get("model_type", type(model).__name__)
+    if pipeline:
+        if not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(f"mlx-lm cannot pipeline model type {kind!r}; start without --pipeline (tensor parallel)")
+        return
+    if not hasattr(model, "shard"):
+        raise ValueError(f"mlx-lm cannot shard model type {kind!r} tensor-parallel; try --pipeline")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = config.get(key)
+        if isinstance(value, int) and value % size:
+            raise ValueError(f"model type {kind!r} has {key}={value}, not divisible by {size} ranks; use fewer ranks")
+
+
+def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
+    """This rank's shard of the model in ``folder`` (mlx-lm's ``sharded_load``), after the checks."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, sharded_load
+
+    start = time.perf_counter()
+    model, config = load_model(folder, lazy=True, strict=False)
+    check_shardable(model, config, group.size(), pipeline=pipeline)
+    if pipeline and not (folder / "model.safetensors.index.json").is_file():
+        raise ValueError("--pipeline needs a model.safetensors.index.json in the model folder (mlx-lm's sharded_load)")
+    model, tokenizer = sharded_load(
+        str(folder), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group
+    )
+    model.eval()
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    loaded = LoadedModel(
+        ModelSource(str(folder), SourceKind.MLX, folder),
+        model,
+        tokenizer,
+        config,
+        nbytes,
+        time.perf_counter() - start,
+        folder=folder,
+    )
+    # Pipeline stages hold different layers: layer-group pieces would put a
+    # different number of checkpoints on each rank.
+    loaded.layer_pieces = not pipeline
+    return loaded
+
+
+class Inbox:
+    """Rank 0's side of the kernel's socket: requests queue here, controls reach the running job's token."""
+
+    def __init__(self, address: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(address)
+        self.requests: deque[dict[str, Any]] = deque()
+        self.current: tuple[int, CancelToken] | None = None
+        self.shutdown = False
+        self.last_heard = time.monotonic()
+        # The kernel's silence counts only once the model is loaded (it may take minutes).
+        self.serving = False
+
+    def send(self, **message: Any) -> None:
+        """Send one event to the kernel."""
+        self.socket.send(pack(message))
+
+    def poll(self, timeout_s: float) -> None:
+        """Read what the kernel sent, waiting up to ``timeout_s`` for the first message."""
+        timeout = int(timeout_s * 1000)
+        while self.socket.poll(timeout, self._zmq.POLLIN):
+            self._handle(unpack(self.socket.recv()))
+            timeout = 0
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        self.last_heard = time.monotonic()
+        op = msg.get("op")
+        if op == "ping":
+            self.send(ev="pong")
+        elif op == "generate":
+            self.requests.append(msg)
+        elif op == "shutdown":
+            self.shutdown = True
+            if self.current is not None:
+                self.current[1].cancel()
+        elif op == "control":
+            self._control(int(msg["id"]), str(msg["action"]))
+
+    def _control(self, gen_id: int, action: str) -> None:
+        if self.current is not None and self.current[0] == gen_id:
+            token = self.current[1]
+            {"stop": token.cancel, "pause": token.pause, "resume": token.resume}[action]()
+        elif action == "stop":
+            for queued in list(self.requests):
+                if int(queued["id"]) == gen_id:
+                    self.requests.remove(queued)
+                    self.send(ev="finish", id=gen_id, state=State.STOPPED.value, error=None)
+
+
+class _RankSink:
+    """The engine's sink on a rank: rank 0 tells the kernel, the others keep quiet."""
+
+    def __init__(self, inbox: Inbox | None, gen_id: int) -> None:
+        self.inbox = inbox
+        self.id = gen_id
+        self.stats = GenerationStats()
+        self.state = State.QUEUED
+        self._tokens = 0
+
+    def _send(self, **message: Any) -> None:
+        if self.inbox is not None:
+            self.inbox.send(id=self.id, **message)
+
+    def send_stats(self) -> None:
+        self._send(ev="stats", stats={k: _plain(v) for k, v in asdict(self.stats).items()})
+
+    def set_state(self, state: State) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        self.send_stats()
+        self._send(ev="state", state=state.value)
+
+    def progress(self, phase: str, done: int, total: int) -> None:
+        self._send(ev="progress", phase=phase, done=done, total=total)
+
+    def emit(self, token_ids: list[int], text: str) -> None:
+        self._tokens += 1
+        if self._tokens % STATS_EVERY == 1:
+            self.send_stats()
+        self._send(ev="tokens", ids=token_ids, text=text)
+
+    def finish(self, state: State, error: str | None = None) -> None:
+        self.send_stats()
+        self._send(ev="finish", state=state.value, error=error)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if hasattr(value, "value") else value
+
+
+def make_job(loaded: LoadedModel, msg: dict[str, Any]) -> Job:
+    """The :class:`Job` for one ``generate`` message: prompt tokenized here, seed fixed here.
+
+    Raises:
+        MLXNotebookError: A bad request (the kernel validated it; the prompt may still not fit).
+    """
+    names = {f.name for f in fields(GenerationRequest)}
+    request = GenerationRequest(**{k: v for k, v in msg["request"].items() if k in names})
+    request.validate()
+    prompt = prepare_prompt(loaded, request)
+    seed = request.seed if request.seed is not None else random.randrange(2**31)
+    return Job(
+        int(msg["id"]), prompt, request.max_tokens, request.temperature, request.top_p, seed, request.stop_budget
+    )
+
+
+def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> None:
+    """Run ``job`` on this rank; rank 0 reports to the kernel."""
+    from .steps import run_job
+
+    token = CancelToken()
+    sink = _RankSink(inbox, job.id)
+    before = [State.PREFILLING]
+
+    def on_pause() -> None:
+        mx.synchronize()
+        before[0] = sink.state
+        sink.set_state(State.PAUSED)
+
+    def on_resume() -> None:
+        sink.set_state(before[0])
+
+    pace = AgreedPace(
+        token,
+        job.budget_s,
+        on_pause=on_pause,
+        on_resume=on_resume,
+        group=group,
+        poll=inbox.poll if inbox is not None else None,
+        on_tick=(lambda: inbox.send(ev="pong")) if inbox is not None else None,
+    )
+    if inbox is not None:
+        inbox.current = (job.id, token)
+    try:
+        run_job(loaded, job, pace=pace, sink=sink)
+        mx.synchronize()
+        sink.finish(State.DONE)
+    except Cancelled:
+        mx.synchronize()
+        sink.finish(State.STOPPED)
+    except Exception as exc:  # an MLX error on every rank alike (a bad prompt, memory): fail this one only
+        mx.synchronize()
+        text = str(exc).strip().splitlines()
+        sink.finish(State.FAILED, text[0] if text else type(exc).__name__)
+    finally:
+        if inbox is not None:
+            inbox.current = None
+        mx.clear_cache()
+
+
+def serve(loaded: LoadedModel, group: Any, inbox: Inbox | None) -> None:
+    """The ranks' shared loop: one header collective per tick, a job when rank 0 has one."""
+    while True:
+        op, payload = Op.NOOP, b""
+        if inbox is not None:
+            inbox.poll(IDLE_TICK_S)
+            if inbox.shutdown:
+                op = Op.SHUTDOWN
+            elif inbox.requests:
+                msg = inbox.requests.popleft()
+                try:
+                    payload = make_job(loaded, msg).encode()
+                    op = Op.JOB
+                except MLXNotebookError as exc:
+                    inbox.send(ev="finish", id=int(msg["id"]), state=State.FAILED.value, error=str(exc))
+        (agreed,) = exchange(group, [op])
+        if agreed == Op.SHUTDOWN:
+            return
+        if agreed == Op.JOB:
+            job = Job.decode(broadcast_bytes(group, payload))
+            run_one(loaded, job, group, inbox)
+
+
+def _start_lifeline(kernel_pid: int | None, inbox: Inbox | None) -> None:
+    """End this process when the kernel, the launcher or (rank 0) the kernel's pings are gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.2)
+            gone = os.getppid() != parent
+            if kernel_pid is not None:
+                try:
+                    os.kill(kernel_pid, 0)
+                except ProcessLookupError:
+                    gone = True
+                except PermissionError:
+                    pass
+            if inbox is not None and inbox.serving and time.monotonic() - inbox.last_heard > HEARTBEAT_TIMEOUT_S:
+                gone = True
+            if gone:
+                os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="mlx-notebook-lifeline", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the launcher's arguments, load this rank's shard, serve until shut down."""
+    parser = argparse.ArgumentParser(prog="python -m mlx_notebook.cluster.rank", description=__doc__.split("\n")[0])
+    parser.add_argument("--connect", required=True, help="the kernel's socket, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--model", required=True, help="local MLX model folder (the same path on every host)")
+    parser.add_argument("--backend", default="any", help="MLX distributed backend (ring, mpi, jaccl, nccl)")
+    parser.add_argument("--pipeline", action="store_true", help="pipeline stages instead of tensor parallel")
+    parser.add_argument("--kernel-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--kernel-host", default=None, help="the kernel's hostname (the pid is watched there only)")
+    args = parser.parse_args(argv)
+
+    group = mx.distributed.init(backend=args.backend, strict=args.backend != "any")
+    leader = group.rank() == 0
+    inbox = Inbox(args.connect) if leader else None
+    same_host = args.kernel_host is None or args.kernel_host == socket.gethostname()
+    _start_lifeline(args.kernel_pid if same_host else None, inbox)
+    try:
+        loaded = load_shard(Path(args.model), group, pipeline=args.pipeline)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        line = text[0] if text else type(exc).__name__
+        if inbox is not None:
+            inbox.send(ev="failed_start", error=line)
+            inbox.socket.close(linger=1000)
+        print(f"rank {group.rank()}: cannot load {args.model}: {line}", file=sys.stderr)
+        traceback.print_exc()
+        return LOAD_EXIT
+    if inbox is not None:
+        inbox.last_heard = time.monotonic()
+        inbox.serving = True
+        inbox.send(
+            ev="ready",
+            ranks=group.size(),
+            backend=args.backend,
+            model=args.model,
+            load_s=loaded.load_s,
+            nbytes=loaded.nbytes,
+        )
+    serve(loaded, group, inbox)
+    if inbox is not None:
+        inbox.socket.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""One generation on every rank: prefill and decode in budget-sized pieces, every decision agreed.
+
+The engine's :func:`~mlx_notebook.generation.engine.prefill` and
+:func:`~mlx_notebook.generation.engine.decode` take decisions from each
+process's own clock: the next chunk size (a cost model fitted to measured
+chunk times), the layer-group size, whether a second decode step is queued
+before a token is read. On one process that is fine; over ranks it is a
+deadlock, since a sharded forward pass runs collectives: chunks of 64 tokens
+on one rank and 96 on another never meet. Here the same planners run on rank
+0 only, and their choice travels in the checkpoint's own collective
+(:meth:`.agreement.AgreedPace.agree`), so every rank runs the same shapes,
+queues the same steps and stops, pauses or resumes at the same boundary.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import mlx.core as mx
+
+from ..generation.chunks import ChunkPlanner, builds_kernels_per_shape
+from ..generation.engine import BUDGET_SHARE, DECODE_BUDGET_SHARE, STEP_EMA, Sink
+from ..generation.pieces import LayerRunner, prefill_runner
+from ..generation.request import GenerationRequest
+from ..generation.sampling import make_sampler
+from ..generation.states import State
+from ..generation.stats import FinishReason
+from ..loading.store import LoadedModel
+from .agreement import AgreedPace
+from .protocol import Job
+
+
+class _AgreedLayerRunner(LayerRunner):
+    """Layer groups whose size rank 0 picks and every rank uses."""
+
+    pace: AgreedPace
+
+    def _plan(self, n_tokens: int) -> None:
+        super()._plan(n_tokens)
+        self.group = max(1, self.pace.agree(self.group if self.pace.leader else 0))
+
+
+def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> FinishReason:
+    """Prefill ``job.prompt`` and decode; every rank calls this with the same job.
+
+    Raises:
+        Cancelled: An agreed stop (every rank raises at the same boundary).
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    sink.set_state(State.PREFILLING)
+    sink.stats.prompt_tokens = len(job.prompt)
+    cache = make_prompt_cache(loaded.model)
+    prefill(loaded, cache, job.prompt, pace=pace, sink=sink)
+    return decode(loaded, cache, job, pace=pace, sink=sink, prefill_start=start)
+
+
+def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: AgreedPace, sink: Sink) -> None:
+    """Feed all but the last prompt token in chunks whose sizes rank 0 picks."""
+    to_process = len(prompt) - 1
+    ids = mx.array(prompt, dtype=mx.uint32)
+    runner = prefill_runner(loaded, cache, pace)
+    if isinstance(runner, LayerRunner):
+        runner = _AgreedLayerRunner(runner.owner, runner.model, runner.cache, pace)
+    sink.stats.prefill_pieces = runner.pieces
+    planner = ChunkPlanner(loaded.prefill_cost, loaded.prefill_shapes_seen if builds_kernels_per_shape() else None)
+    done = 0
+    sink.progress("prefill", 0, len(prompt))
+    while done < to_process:
+        target = pace.budget_s * BUDGET_SHARE * runner.chunk_budget_factor
+        proposal = planner.next_chunk(target, done, to_process - done) if pace.leader else 0
+        n = pace.agree(proposal)
+        t0 = time.perf_counter()
+        runner.run(ids[None, done : done + n])
+        planner.observe(n, time.perf_counter() - t0, start=done)
+        done += n
+        sink.stats.prefill_pieces = runner.pieces
+        sink.stats.prefill_chunks += 1
+        sink.progress("prefill", done, len(prompt))
+        mx.clear_cache()
+    if planner.cost is not None:
+        loaded.prefill_cost = planner.cost
+
+
+def decode(
+    loaded: LoadedModel, cache: list[Any], job: Job, *, pace: AgreedPace, sink: Sink, prefill_start: float
+) -> FinishReason:
+    """Generate token by token, with one agreement per token.
+
+    Whether the next step is queued before the current token is read (two
+    steps in flight, as mlx-lm does) is rank 0's choice, agreed at the
+    previous token, so a stop finds the same steps queued on every rank.
+    """
+    model = loaded.model
+    request = GenerationRequest(
+        [0], max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed
+    )
+    sample = make_sampler(request)
+    eos = set(loaded.tokenizer.eos_token_ids)
+    detokenizer = loaded.tokenizer.detokenizer if pace.leader else None
+    if detokenizer is not None:
+        detokenizer.reset()
+    stats = sink.stats
+
+    def step(inputs: mx.array) -> mx.array:
+        logits = model(inputs[None], cache=cache)[:, -1, :]
+        return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    y = step(mx.array(job.prompt[-1:], dtype=mx.uint32))
+    mx.async_eval(y)
+    in_flight = 1
+    first_at: float | None = None
+    last_at = 0.0
+    finish = FinishReason.LENGTH
+    n = 0
+    while True:
+        next_y = step(y) if n + 1 < job.max_tokens else None
+        queued = next_y is not None and in_flight == 2
+        if queued:
+            mx.async_eval(next_y)
+        tok = cast(int, y.item())
+        now = time.perf_counter()
+        n += 1
+        if first_at is None:
+            first_at = now
+            stats.ttft_s = now - prefill_start
+            stats.prompt_tps = len(job.prompt) / max(now - prefill_start, 1e-9)
+            sink.set_state(State.DECODING)
+            sink.progress("prefill", len(job.prompt), len(job.prompt))
+        else:
+            seconds = now - last_at
+            prev = stats.decode_step_s
+            stats.decode_step_s = seconds if prev is None else (1 - STEP_EMA) * prev + STEP_EMA * seconds
+        last_at = now
+        if tok in eos:
+            finish = FinishReason.EOS
+            break
+        stats.generated_tokens = n
+        if n > 1:
+            stats.generation_tps = (n - 1) / max(now - first_at, 1e-9)
+        if detokenizer is not None:
+            detokenizer.add_token(tok)
+            sink.emit([tok], detokenizer.last_segment)
+        if next_y is None:
+            break
+        if n % 256 == 0:
+            mx.clear_cache()
+        step_s = stats.decode_step_s
+        proposal = 2 if step_s is not None and 2 * step_s <= DECODE_BUDGET_SHARE * pace.budget_s else 1
+        in_flight = pace.agree(proposal if pace.leader else 0)
+        stats.decode_in_flight = in_flight
+        stats.budget_below_step = step_s is not None and step_s > pace.budget_s
+        if not queued:
+            mx.async_eval(next_y)
+        y = next_y
+    if detokenizer is not None:
+        detokenizer.finalize()
+        if detokenizer.last_segment:
+            sink.emit([], detokenizer.last_segment)
+    stats.finish_reason = finish
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    return finish
