@@ -198,7 +198,7 @@ class MapView:
         now = time.monotonic()
         if now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._last_publish = now
-            self.publish()
+            self.publish_final()
 
     def _end(self) -> None:
         with self._lock:
@@ -230,7 +230,7 @@ class MapView:
                 self.handle.update(self._bundle())
 
     def publish_final(self) -> None:
-        """The final display, for headless clients (see the module docstring)."""
+        """Send the results so far to headless clients (see the module docstring)."""
         self.publish()
 
     def _bundle(self) -> _Bundle:
@@ -250,8 +250,14 @@ class MapTextView(MapView):
         self.handle = display(self._bundle(), display_id=True)
 
     def draw(self) -> None:
-        # Updates go to the starting cell (thread_parent); finishes also to the current one.
-        self.publish()
+        self.publish()  # the text is the display: a redraw is a whole update
+
+    def publish_final(self) -> None:
+        # A draw already went to the starting cell; a headless client may be reading
+        # another cell by now, so send it with the current parent too.
+        now, started = current_parent(self.shell), self.parent
+        if (now or {}).get("header", {}).get("msg_id") != (started or {}).get("header", {}).get("msg_id"):
+            self.publish()
 
 
 class MapWidgetView(MapView):
@@ -292,8 +298,9 @@ class MapWidgetView(MapView):
             self.lines.append(line)
             rows.append(row)
         hidden = len(batch) - len(rows)
-        more = [w.HTML(value=f"<i>… and {hidden} more inputs: bind the batch with -o NAME to reach them</i>")]
-        self.box = w.VBox([header, self.summary, *rows, *(more if hidden > 0 else [])])
+        if hidden > 0:
+            rows.append(w.HTML(value=f"<i>… and {hidden} more inputs: bind the batch with -o NAME to reach them</i>"))
+        self.box = w.VBox([header, self.summary, *rows])
         self.box.add_class("mlxgen-map")
         self.stop_all.on_click(self._on_stop_all_click)
         self.pause_all.on_click(self._on_pause_all_click)
