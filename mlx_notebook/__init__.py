@@ -66,7 +66,9 @@ def generate(prompt: str | list[int], *, worker: Worker | None = None, **options
     unknown = sorted(set(options) - set(option_names()))
     if unknown:
         raise TypeError(f"generate() got unknown option {unknown[0]!r}; the options are: {', '.join(option_names())}")
-    return (worker or _worker()).submit(GenerationRequest(prompt, **options))
+    from .cluster.routing import submit  # a request for a running cluster's model runs on its ranks
+
+    return submit(GenerationRequest(prompt, **options), worker or _worker())
 
 
 def _signature() -> inspect.Signature:

@@ -50,6 +50,9 @@ def load(ipython: Any) -> MLXGen:
             f"mlxgen: {exc} (in the IPython config); set a valid value with %config, then load again"
         ) from None
     ipython.register_magics(magics)
+    from .cluster_magic import register as register_cluster_magic  # %mlxgen_cluster
+
+    register_cluster_magic(ipython)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
     magics.hooks = KernelHooks(ipython, worker=magics.used_worker)

@@ -218,7 +218,9 @@ class MLXGen(Magics):
         # no longer updates (ipywidgets' hold_sync). Noted, it stops the generation.
         with deferred_interrupts() as interrupted:
             try:
-                gen = self.worker.submit(request)
+                from ..cluster.routing import submit  # a request for a running cluster's model runs on its ranks
+
+                gen = submit(request, self.worker)
             except MLXNotebookError as exc:
                 raise _fail(error_line(exc)) from None
             if args.out is not None:
