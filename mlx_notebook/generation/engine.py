@@ -82,7 +82,7 @@ class Engine:
         with mx.stream(self.stream):
             sink.set_state(State.LOADING)
             loaded = self.store.get(
-                request.model, pace, progress=lambda done, total: sink.progress("load", done, total)
+                request.model, pace, progress=lambda done, total, step: sink.progress(f"load: {step}", done, total)
             )
             sink.stats.load_s = time.perf_counter() - start
             sink.set_state(State.PREFILLING)

@@ -30,6 +30,7 @@ _CANDIDATES = (
 
 _loaded: str | None = None
 _note: str = "not tried"
+_fix: str = ""  # how to get OpenBLAS when the reference BLAS is in use by accident
 
 
 def preload_openblas() -> str | None:
@@ -39,7 +40,7 @@ def preload_openblas() -> str | None:
     ``mlx`` was imported already (too late to rebind; :func:`active_blas`
     says so).
     """
-    global _loaded, _note
+    global _loaded, _note, _fix
     if _loaded is not None:
         return _loaded
     choice = os.environ.get("MLX_NOTEBOOK_BLAS", "auto").strip()
@@ -51,6 +52,10 @@ def preload_openblas() -> str | None:
         return None
     if "mlx.core" in sys.modules:
         _note = "mlx was imported before mlx_notebook; import mlx_notebook first to use OpenBLAS"
+        _fix = (
+            "restart the kernel and run %load_ext mlx_notebook before importing mlx, "
+            "or use a kernel that loads it first: python -m mlx_notebook.kernelspec install"
+        )
         return None
     candidates = (choice,) if choice.lower() != "auto" else _CANDIDATES
     for path in candidates:
@@ -66,6 +71,7 @@ def preload_openblas() -> str | None:
         return path
     if choice.lower() == "auto":
         _note = "no system OpenBLAS found (apt-get install libopenblas0-pthread makes fp32 CPU matmuls ~30x faster)"
+        _fix = "apt-get install libopenblas0-pthread, then restart the kernel"
     else:
         _note = f"MLX_NOTEBOOK_BLAS={choice} could not be loaded; reference BLAS in use"
     return None
@@ -74,6 +80,15 @@ def preload_openblas() -> str | None:
 def openblas_active() -> bool:
     """Whether MLX's CPU matmuls are bound to a system OpenBLAS."""
     return _loaded is not None
+
+
+def reference_blas_fix() -> str:
+    """How to get OpenBLAS, when MLX on Linux uses the reference BLAS by accident.
+
+    ``""`` when there is nothing to fix: OpenBLAS is in use, not Linux, or the
+    reference BLAS was chosen (``MLX_NOTEBOOK_BLAS``).
+    """
+    return "" if _loaded is not None else _fix
 
 
 def active_blas() -> str:

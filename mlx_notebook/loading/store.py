@@ -12,9 +12,10 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +43,22 @@ class StreamingDetokenizer(Protocol):
     def add_token(self, token: int) -> None: ...
 
     def finalize(self) -> None: ...
+
+
+# (done, total, step): bytes so far in a step of the load ("reading", "dequantizing",
+# "converting"); each step counts from 0 to its own total, so one bar per step.
+# A callback of (done, total) only is still called, without the step.
+LoadProgress = Callable[..., None]
+
+
+def _step(progress: LoadProgress | None, step: str) -> ProgressCallback | None:
+    if progress is None:
+        return None
+    try:
+        inspect.signature(progress).bind(0, 0, step)
+    except (TypeError, ValueError):
+        return progress
+    return lambda done, total: progress(done, total, step)
 
 
 class Tokenizer(Protocol):
@@ -139,15 +156,13 @@ class ModelStore:
         with self._lock:
             return list(self._models.values())
 
-    def get(
-        self, name: str | None, pace: Pace | None = None, *, progress: ProgressCallback | None = None
-    ) -> LoadedModel:
+    def get(self, name: str | None, pace: Pace | None = None, *, progress: LoadProgress | None = None) -> LoadedModel:
         """Return the loaded model for ``name``, loading it if needed.
 
         Args:
             name: A model name (see :func:`.names.resolve`).
             pace: Checkpoint and budget of the load. Default: one nobody stops.
-            progress: Called with ``(bytes_done, bytes_total)``. Default: ``None``.
+            progress: Called with ``(bytes_done, bytes_total, step)``. Default: ``None``.
 
         Raises:
             ModelNotFoundError, ModelFormatError: The name or file is bad.
@@ -176,7 +191,7 @@ class ModelStore:
             mx.clear_cache()
         return removed is not None
 
-    def _load(self, source: ModelSource, pace: Pace, progress: ProgressCallback | None) -> LoadedModel:
+    def _load(self, source: ModelSource, pace: Pace, progress: LoadProgress | None) -> LoadedModel:
         start = time.perf_counter()
         folder = source.path
         if source.kind is SourceKind.GGUF:
@@ -197,20 +212,20 @@ class ModelStore:
         pending = _PendingTokenizer(folder, config)
         stored = weight_blocks.index_folder(folder) if read_in_blocks(config) else None
         try:
-            nbytes = evaluate_parameters(model, pace, progress=progress, stored=stored)
+            nbytes = evaluate_parameters(model, pace, progress=_step(progress, "reading"), stored=stored)
         except BaseException:
             pending.abandon()
             raise
         tokenizer = pending.result(source, pace)
         if use_cpu_fast_path(model):
-            dequantize_to_float32(model, pace, progress=progress)
+            dequantize_to_float32(model, pace, progress=_step(progress, "dequantizing"))
             # Quantized layers of other kinds (none in the supported families) and
             # the norms: lazy here, evaluated in batches just below.
             from mlx_lm.utils import dequantize_model
 
             dequantize_model(model)
             model.set_dtype(mx.float32)
-            nbytes = evaluate_parameters(model, pace, progress=progress)
+            nbytes = evaluate_parameters(model, pace, progress=_step(progress, "converting"))
         model.eval()
         return LoadedModel(
             source=source,

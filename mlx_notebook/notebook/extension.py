@@ -5,7 +5,12 @@ them the ``MLXGen`` config section), the IPython events the display router
 needs, and the kernel hooks (idle SIGINT, shutdown, exit). Unloading stops
 the running and queued generations and waits for the worker to park, then
 removes the magics and restores every hook; the worker keeps its loaded
-models for the next load. The loaded state lives in IPython's own magics
+models for the next load.
+
+On Linux CPU, if ``mlx`` was imported before this package (a notebook that
+starts with ``import mlx.core as mx``), MLX's matmuls use the reference BLAS,
+about 10x slower prefill: loading says so in one line, with the fix, and the
+first widget repeats it (:func:`slow_blas_notice`). The loaded state lives in IPython's own magics
 registry, so loading twice (IPython already refuses a second ``%load_ext``;
 a direct second call is caught here) never doubles anything.
 
@@ -17,17 +22,31 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from traitlets import TraitError
 
+from ..loading.blas import reference_blas_fix
 from .kernel_hooks import SHUTDOWN_DRAIN_S, KernelHooks
 from .magics import MLXGen
 
 # IPython registers a Magics instance under its class name.
 _REGISTRY_KEY = MLXGen.__name__
 _EVENTS = ("pre_run_cell", "post_run_cell")
+
+
+def slow_blas_notice() -> str:
+    """One line when MLX computes on the CPU with the reference BLAS by accident, else ``""``."""
+    fix = reference_blas_fix()
+    if not fix or "mlx.core" not in sys.modules:
+        return ""  # nothing to fix, or mlx not imported yet: it will bind OpenBLAS
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return ""  # the model runs on a GPU; the CPU's BLAS hardly matters
+    return f"mlx-notebook: MLX's CPU matmuls use the slow reference BLAS (prefill ~10x slower); fix: {fix}"
 
 
 def loaded_magics(ipython: Any) -> MLXGen | None:
@@ -55,8 +74,12 @@ def load(ipython: Any) -> MLXGen:
     register_cluster_magic(ipython)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
-    magics.hooks = KernelHooks(ipython, worker=magics.used_worker)
+    magics.hooks = KernelHooks(ipython, worker=magics.used_worker, views=magics.router)
     magics.hooks.install()
+    notice = slow_blas_notice()
+    if notice:
+        print(notice, file=sys.stderr)
+        magics.first_view_notice = notice
     return magics
 
 

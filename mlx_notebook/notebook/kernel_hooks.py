@@ -17,7 +17,14 @@ Three situations, three hooks:
   writes a byte to a pipe, and a helper thread does the cancelling.
 * **Shutdown or restart**: ``kernel.do_shutdown`` (an instance attribute
   wrapping the kernel's own method) and an ``atexit`` handler cancel, drain
-  and stop the worker before the interpreter finalizes.
+  and stop the worker before the interpreter finalizes. The views still
+  following a generation are told why first, so each shows its last state
+  ("stopped: kernel restarted", buttons off) and leaves the text so far as a
+  real output, not a widget that says "decoding" forever.
+
+The ``KeyboardInterrupt`` a stopped ``--wait`` cell raises renders as one
+line (IPython's ``_render_traceback_``): the user asked for the stop, so the
+frames (the magic's call with the whole prompt, this module) say nothing.
 
 :meth:`KernelHooks.uninstall` restores every one of them.
 
@@ -41,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from ..generation.handle import Generation
 from ..generation.worker import Worker
@@ -50,6 +57,13 @@ log = logging.getLogger(__name__)
 
 WorkerProvider = Callable[[], Worker | None]
 SignalHandler = Any  # a callable, signal.SIG_IGN, signal.SIG_DFL or None
+
+
+class LiveViews(Protocol):
+    """The displays still following generations (the widget layer's ``DisplayRouter``)."""
+
+    def end_all(self, reason: str, *, now: bool = False) -> list[Any]: ...
+
 
 _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the helper thread
 # Seconds a shutdown waits for the current piece of work: pieces are sized to
@@ -81,7 +95,7 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False
         # Signals are delivered to the main thread only: nothing to intercept.
         gen.wait()
         if interrupted:
-            raise KeyboardInterrupt(_stopped_message(gen))
+            raise stopped_interrupt(gen)
         return
     interrupts: list[float] = [time.perf_counter()] if interrupted else []
 
@@ -107,7 +121,27 @@ def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False
     finally:
         signal.signal(signal.SIGINT, previous)
     if interrupts:
-        raise KeyboardInterrupt(_stopped_message(gen))
+        raise stopped_interrupt(gen)
+
+
+def stopped_interrupt(gen: Generation) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` for a stop the user asked for, shown as one line.
+
+    Still a plain ``KeyboardInterrupt`` (``ename`` and ``except`` clauses see
+    that); IPython shows what ``_render_traceback_`` returns instead of frames.
+    """
+    return one_line_interrupt(_stopped_message(gen))
+
+
+def one_line_interrupt(message: str) -> KeyboardInterrupt:
+    """A ``KeyboardInterrupt`` with ``message`` that IPython shows as one line."""
+    exc = KeyboardInterrupt(message)
+    # An instance attribute: IPython asks hasattr(value, "_render_traceback_").
+    exc._render_traceback_ = lambda: [f"{_RED}KeyboardInterrupt{_RESET}: {message}"]  # type: ignore[attr-defined]
+    return exc
+
+
+_RED, _RESET = "\x1b[0;31m", "\x1b[0m"  # IPython's colour for the exception name
 
 
 @contextmanager
@@ -169,6 +203,8 @@ class KernelHooks:
           used when it is an ipykernel shell; elsewhere only ``atexit`` applies).
         worker: Returns the worker to act on, or ``None`` when none was used yet.
         drain_timeout: Seconds a shutdown waits for the drain. Default: ``2.0``.
+        views: The live views, told why their generations end at shutdown.
+          Default: ``None``.
     """
 
     def __init__(
@@ -177,10 +213,12 @@ class KernelHooks:
         worker: WorkerProvider,
         *,
         drain_timeout: float = SHUTDOWN_DRAIN_S,
+        views: LiveViews | None = None,
     ) -> None:
         self.shell = shell
         self.worker = worker
         self.drain_timeout = drain_timeout
+        self.views = views
         self.installed = False
         self.kernel = getattr(shell, "kernel", None)
         self._previous_idle: SignalHandler = None
@@ -316,7 +354,7 @@ class KernelHooks:
 
         def do_shutdown(restart: bool) -> Any:
             # Runs on the control thread; the main thread may be busy in a cell.
-            self.stop_worker()
+            self.stop_worker(reason="kernel restarted" if restart else "kernel shut down")
             return original(restart)
 
         self._do_shutdown = do_shutdown
@@ -333,19 +371,38 @@ class KernelHooks:
                 del kernel.do_shutdown
         self._do_shutdown = None
 
-    def stop_worker(self) -> bool:
-        """Cancel, drain and end the worker (shutdown, restart, exit)."""
+    def stop_worker(self, reason: str = "kernel exited") -> bool:
+        """Cancel, drain and end the worker (shutdown, restart, exit).
+
+        Args:
+            reason: Why, for the views of the generations it stops.
+              Default: ``"kernel exited"``.
+        """
         worker = self.worker()
         if worker is None:
             return True
+        # Told first, so the views' final draws (on the worker thread, as each
+        # generation stops) say why; any view still going after the drain
+        # (it timed out) is ended right after it.
+        self._end_views(reason, now=False)
         try:
             ok = shutdown_worker(worker, timeout=self.drain_timeout)
         except Exception:  # shutting down: report, never raise
             log.exception("mlx-notebook: stopping the worker failed")
-            return False
-        if not ok:
-            log.warning("mlx-notebook: the worker did not stop within %.1f s", self.drain_timeout)
+            ok = False
+        else:
+            if not ok:
+                log.warning("mlx-notebook: the worker did not stop within %.1f s", self.drain_timeout)
+        self._end_views(reason, now=True)
         return ok
+
+    def _end_views(self, reason: str, *, now: bool) -> None:
+        if self.views is None:
+            return
+        try:
+            self.views.end_all(reason, now=now)
+        except Exception:  # shutting down: a display error must not stop the drain
+            log.exception("mlx-notebook: updating the displays at shutdown failed")
 
     def _at_exit(self) -> None:
         self.stop_worker()

@@ -40,7 +40,7 @@ from .interpolate import interpolate
 from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
 from .map_inputs import map_prompts
 from .map_widget import make_map_view
-from .widget import UI_CHOICES, DisplayRouter, error_line, make_view
+from .widget import FORMAT_CHOICES, UI_CHOICES, DisplayRouter, error_line, make_view
 
 # Traits that are defaults of GenerationRequest fields of the same name.
 _REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget")
@@ -82,6 +82,12 @@ class MLXGen(Magics):
         config=True
     )
     throttle = Float(0.1, help="Least seconds between two display updates while tokens stream.").tag(config=True)
+    format = Enum(
+        FORMAT_CHOICES,
+        "markdown",
+        help="'markdown': the answer rendered as Markdown (code highlighted), and one "
+        "Markdown output when it ends; 'text': plain text (--format).",
+    ).tag(config=True)
     ui = Enum(
         UI_CHOICES,
         "auto",
@@ -104,6 +110,7 @@ class MLXGen(Magics):
         self._worker = worker
         self.router = router or DisplayRouter()
         self.hooks: KernelHooks | None = None  # set by mlx_notebook.notebook.extension.load
+        self.first_view_notice = ""  # one line for the next widget only (extension.load)
 
     # -- config checks (shown in one line by %config) --------------------------------
 
@@ -179,6 +186,7 @@ class MLXGen(Magics):
         help="longest a stop or pause may wait (MLXGen.stop_budget)",
     )
     @argument("--plain", action="store_true", help="plain text display instead of the widget")
+    @argument("--format", choices=FORMAT_CHOICES, default=None, help="markdown or text (MLXGen.format)")
     @argument(
         "--map",
         default=None,
@@ -232,7 +240,10 @@ class MLXGen(Magics):
                 throttle=self.throttle,
                 router=self.router,
                 waiting=waiting,
+                format=args.format or self.format,
+                notice=self.first_view_notice,
             )
+            self.first_view_notice = ""
             view.show()
             if waiting or interrupted:
                 wait_for(gen, interrupted=bool(interrupted))

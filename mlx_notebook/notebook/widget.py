@@ -8,13 +8,17 @@ seconds, default 0.1) except state changes, so display never slows generation.
 
 Three kinds:
 
-* :class:`WidgetView` (a live frontend): streamed text in an ``HTML`` widget,
-  **Stop** and **Pause/Resume** buttons enabled only when they apply, a
-  progress bar for load and prefill then decode, a stats line and an outcome
-  colour (green done, orange stopped, red failed), like ``tqdm.notebook``.
-  Updates change trait values only (one small comm message per widget), never
-  ``Output.append_stdout``, which resends every output each time.
-* :class:`TextView` (no widgets): a ``text/plain`` display updated in place.
+* :class:`WidgetView` (a live frontend): the streamed answer, **Stop** and
+  **Pause/Resume** buttons enabled only when they apply, a progress bar for
+  load and prefill then decode, a stats line and an outcome colour (green
+  done, orange stopped, red failed), like ``tqdm.notebook``. The answer is
+  Markdown rendered block by block (``format="markdown"``, see
+  :mod:`.markdown_view`) or plain text in an ``HTML`` widget (``"text"``).
+  Updates change trait values only (small comm messages), never
+  ``Output.append_stdout``, which resends every output each time. With
+  Markdown, the display becomes one plain Markdown output when it ends.
+* :class:`TextView` (no widgets): a ``text/plain`` display updated in place
+  (plus ``text/markdown`` at the end with ``format="markdown"``).
 * :class:`TerminalView` (terminal IPython, no kernel): text printed as it comes
   when the cell waits; nothing in the background (it would garble the prompt).
 
@@ -47,14 +51,16 @@ from typing import Any
 
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
+from .markdown_view import NO_TOKENS, OUTCOME_COLOR, MarkdownArea, final_markdown
 
 UI_CHOICES = ("auto", "widget", "text")
+FORMAT_CHOICES = ("markdown", "text")
 
 # tqdm.notebook's convention: green done, orange stopped, red failed.
 OUTCOME_STYLE = {State.DONE: "success", State.STOPPED: "warning", State.FAILED: "danger"}
-OUTCOME_COLOR = {State.DONE: "#2e7d32", State.STOPPED: "#e65100", State.FAILED: "#c62828"}
 METADATA_KEY = "mlx_notebook"
 
+_NOTICE_STYLE = "font-size: 0.9em; color: var(--jp-warn-color0, #e65100)"
 _PRE_STYLE = (
     "white-space: pre-wrap; word-break: break-word; margin: 0.25em 0; "
     "font-family: var(--jp-code-font-family, monospace); "
@@ -62,10 +68,17 @@ _PRE_STYLE = (
 )
 
 
-def status_line(gen: Generation) -> str:
-    """One line: id, state, tokens, tok/s, TTFT, peak memory, stop latency, error."""
+def status_line(gen: Generation, ended_by: str = "") -> str:
+    """One line: id, state, tokens, tok/s, TTFT, peak memory, stop latency, error.
+
+    Args:
+        gen: The generation.
+        ended_by: Why it ended, when not by itself or the user (``"kernel
+          restarted"``): shown after the state. Default: ``""``.
+    """
     s = gen.stats
-    parts = [f"#{gen.id} {gen.state}", f"{s.generated_tokens} tokens"]
+    state = f"{gen.state}: {ended_by}" if ended_by else f"{gen.state}"
+    parts = [f"#{gen.id} {state}", f"{s.generated_tokens} tokens"]
     if s.generation_tps:
         parts.append(f"{s.generation_tps:.1f} tok/s")
     if s.ttft_s is not None:
@@ -85,11 +98,11 @@ def error_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def plain_text(gen: Generation) -> str:
+def plain_text(gen: Generation, ended_by: str = "") -> str:
     """The ``text/plain`` form: the text, then the status line in brackets."""
     text = gen.text
     sep = "\n\n" if text else ""
-    return f"{text}{sep}[mlxgen {status_line(gen)}]"
+    return f"{text}{sep}[mlxgen {status_line(gen, ended_by)}]"
 
 
 @contextmanager
@@ -135,13 +148,44 @@ class DisplayRouter:
     a parent nobody reads any more, so the router sends it again from the
     next cell's ``pre_run_cell`` (then the parent is that cell).
     Register :meth:`pre_run_cell` and :meth:`post_run_cell` as IPython events.
+
+    It also knows the views still following a generation, so a kernel that
+    shuts down can give each its last state (:meth:`end_all`).
     """
 
     def __init__(self) -> None:
         # %load_ext runs in a cell, so a cell is running when this is made.
         self.cell_running = True
         self._pending: list[GenerationView] = []
+        self._live: dict[int, GenerationView] = {}
         self._lock = threading.Lock()
+
+    def following(self, view: GenerationView) -> None:
+        """Note a view that follows a generation until it ends."""
+        with self._lock:
+            self._live[id(view)] = view
+
+    def ended(self, view: GenerationView) -> None:
+        """Note that ``view`` showed its generation's end."""
+        with self._lock:
+            self._live.pop(id(view), None)
+
+    def end_all(self, reason: str, *, now: bool = False) -> list[GenerationView]:
+        """Mark every live view as ended by ``reason``; return them.
+
+        Args:
+            reason: Why, e.g. ``"kernel restarted"``: shown in the status line.
+            now: Also show each one's last state now, whatever its generation's
+              state; else each shows it when its generation reports its end.
+              Default: ``False``.
+        """
+        with self._lock:
+            live = list(self._live.values())
+        for view in live:
+            view.ended_by = reason
+            if now:
+                view.end_now()
+        return live
 
     def pre_run_cell(self, info: Any = None) -> None:
         """IPython ``pre_run_cell`` event: re-send pending final displays."""
@@ -172,6 +216,10 @@ class GenerationView:
         throttle: Least seconds between two redraws while tokens stream.
           Default: ``0.1``.
         router: Re-sends final displays for headless clients. Default: ``None``.
+        format: ``"markdown"`` or ``"text"``: how the answer is shown.
+          Default: ``"text"`` (``MLXGen.format`` defaults to Markdown).
+        notice: One line to show with this generation (e.g. a slow BLAS).
+          Default: ``""``.
     """
 
     def __init__(
@@ -181,11 +229,16 @@ class GenerationView:
         shell: Any = None,
         throttle: float = 0.1,
         router: DisplayRouter | None = None,
+        format: str = "text",
+        notice: str = "",
     ) -> None:
         self.gen = gen
         self.shell = shell
         self.throttle = throttle
         self.router = router
+        self.format = format
+        self.notice = notice
+        self.ended_by = ""  # why it ended when not by itself or the user
         self.handle: Any = None
         self.parent = current_parent(shell)
         self._lock = threading.RLock()
@@ -199,6 +252,8 @@ class GenerationView:
     def show(self) -> GenerationView:
         """Display the view in the current cell and start following the generation."""
         self._display()
+        if self.router is not None:
+            self.router.following(self)
         self.gen.add_listener(self.on_event)
         # The worker may have moved on, or even finished, before the listener was
         # added: draw from the handle now, and end properly if it is over.
@@ -226,9 +281,20 @@ class GenerationView:
         with thread_parent(self.shell, self.parent):
             self.draw(final=True)
         self.publish_final()
-        if self.router is not None and threading.current_thread() is not threading.main_thread():
-            self.router.final_sent(self)
+        if self.router is not None:
+            self.router.ended(self)
+            if threading.current_thread() is not threading.main_thread():
+                self.router.final_sent(self)
         self.gen.remove_listener(self.on_event)
+
+    def end_now(self) -> None:
+        """Show the last state now, even if the generation has not reported its end.
+
+        For a kernel that exits with the worker still busy: the buttons go
+        dead and the text so far stays, as the final output.
+        """
+        self.gen.remove_listener(self.on_event)
+        self._finish()
 
     # -- for subclasses --------------------------------------------------------------
 
@@ -248,6 +314,18 @@ class GenerationView:
         gen = self.gen
         # chars lets a reader cut the text from text/plain without the status line.
         return {METADATA_KEY: {"id": gen.id, "state": gen.state, "chars": len(gen.text)}}
+
+    def status_text(self) -> str:
+        """The status line (with why it ended, if not by itself)."""
+        return status_line(self.gen, self.ended_by)
+
+    def final_bundle(self) -> _Bundle:
+        """The display once it has ended: ``text/markdown`` (with ``format="markdown"``)
+        and ``text/plain``, no widget: readable without widget state."""
+        data = {"text/plain": plain_text(self.gen, self.ended_by)}
+        if self.format == "markdown":
+            data["text/markdown"] = final_markdown(self.gen, self.status_text())
+        return _Bundle(data, self._metadata())
 
     def progress_fraction(self) -> tuple[str, float]:
         """``(phase, fraction done)`` for the progress bar."""
@@ -274,8 +352,12 @@ class _Bundle:
 class TextView(GenerationView):
     """A ``text/plain`` display updated in place (no widget frontend)."""
 
-    def _bundle(self) -> _Bundle:
-        return _Bundle({"text/plain": plain_text(self.gen)}, self._metadata())
+    def _bundle(self, final: bool = False) -> _Bundle:
+        # Markdown only at the end: each update re-renders all of it, and a
+        # client without widgets cannot do better, so it streams as plain text.
+        if final:
+            return self.final_bundle()
+        return _Bundle({"text/plain": plain_text(self.gen, self.ended_by)}, self._metadata())
 
     def _display(self) -> None:
         from IPython.display import display
@@ -285,7 +367,7 @@ class TextView(GenerationView):
     def draw(self, *, final: bool) -> None:
         with self._lock:
             if self.handle is not None:
-                self.handle.update(self._bundle())
+                self.handle.update(self._bundle(final or self.gen.finished))
 
     def publish_final(self) -> None:
         # The final draw went to the starting cell; a headless client may be
@@ -318,6 +400,8 @@ class WidgetView(GenerationView):
         super().__init__(gen, **kwargs)
         import ipywidgets as w
 
+        # The answer: Markdown blocks in Output widgets, or plain text in HTML.
+        self.markdown = MarkdownArea() if self.format == "markdown" else None
         self.text = w.HTML(value="")
         self.stop_button = w.Button(
             description="Stop", icon="stop", tooltip="Stop this generation; the model stays loaded"
@@ -328,6 +412,7 @@ class WidgetView(GenerationView):
             min=0.0,
             max=1.0,
             description="queued",
+            style={"description_width": "initial"},  # "load: dequantizing" in full
             layout=w.Layout(flex="1 1 auto", min_width="12em"),
         )
         self.status = w.HTML(value="")
@@ -335,7 +420,14 @@ class WidgetView(GenerationView):
             [self.stop_button, self.pause_button, self.progress],
             layout=w.Layout(align_items="center"),
         )
-        self.box = w.VBox([controls, self.text, self.status])
+        answer = self.markdown.box if self.markdown is not None else self.text
+        parts = [controls, answer, self.status]
+        if self.notice:
+            parts.append(
+                w.HTML(value=f'<span class="mlxgen-notice" style="{_NOTICE_STYLE}">{html.escape(self.notice)}</span>')
+            )
+        self.box = w.VBox(parts)
+        self.box.add_class("mlxgen")
         self.stop_button.on_click(self._on_stop_click)
         self.pause_button.on_click(self._on_pause_click)
         for button in (self.stop_button, self.pause_button):
@@ -359,7 +451,7 @@ class WidgetView(GenerationView):
 
     def _bundle(self) -> _Bundle:
         data = dict(self.box._repr_mimebundle_())
-        data["text/plain"] = plain_text(self.gen)
+        data["text/plain"] = plain_text(self.gen, self.ended_by)
         return _Bundle(data, self._metadata())
 
     def _display(self) -> None:
@@ -384,18 +476,30 @@ class WidgetView(GenerationView):
                 self.pause_button.hold_sync(),
                 self.text.hold_sync(),
             ):
-                self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(gen.text)}</pre>'
+                self._draw_answer(final)
                 self._draw_buttons(state, final)
                 self.progress.description = phase
                 self.progress.value = 1.0 if state is State.DONE else fraction
                 self.progress.bar_style = OUTCOME_STYLE.get(state, "info" if not final else "")
                 color = OUTCOME_COLOR.get(state, "inherit")
                 self.status.value = (
-                    f'<span style="color: {color}; font-size: 0.9em">{html.escape(status_line(gen))}</span>'
+                    f'<span class="mlxgen-status" style="color: {color}; font-size: 0.9em">'
+                    f"{html.escape(self.status_text())}</span>"
                 )
+
+    def _draw_answer(self, final: bool) -> None:
+        text = self.gen.text
+        # Ended with nothing to show: say so rather than leave a gap.
+        empty = final and not text.strip()
+        if self.markdown is not None:
+            self.markdown.update(text, placeholder=empty)
+            return
+        note = f'<div class="mlxgen-empty" style="opacity: 0.6"><i>{NO_TOKENS}</i></div>' if empty else ""
+        self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(text)}</pre>{note}'
 
     def _draw_buttons(self, state: State, final: bool) -> None:
         token = self.gen.token
+        final = final or bool(self.ended_by)  # the kernel is going: no click can reach it
         stopping = token.cancelled and not final
         self.stop_button.description = "Stopping…" if stopping else "Stop"
         self.stop_button.disabled = final or stopping or not state.stoppable
@@ -412,9 +516,10 @@ class WidgetView(GenerationView):
     def publish_final(self) -> None:
         # One update of the whole bundle: live frontends redraw the same widget,
         # headless ones store the final text/plain (see the module docstring).
+        # With Markdown the widget makes way for the answer as one Markdown output.
         with self._lock:
             if self.handle is not None:
-                self.handle.update(self._bundle())
+                self.handle.update(self.final_bundle() if self.format == "markdown" else self._bundle())
 
 
 class TerminalView(GenerationView):
@@ -426,6 +531,8 @@ class TerminalView(GenerationView):
         self._printed = 0
 
     def _display(self) -> None:
+        if self.notice:
+            print(self.notice)
         if not self.stream:
             print(
                 f"mlxgen #{self.gen.id} runs in the background: %mlxgen_jobs shows it, "
@@ -440,7 +547,7 @@ class TerminalView(GenerationView):
             print(text[self._printed :], end="", flush=True)
             self._printed = len(text)
             if final:
-                print(f"\n[mlxgen {status_line(self.gen)}]", flush=True)
+                print(f"\n[mlxgen {self.status_text()}]", flush=True)
 
 
 def widgets_available() -> bool:
@@ -478,6 +585,8 @@ def make_view(
     throttle: float = 0.1,
     router: DisplayRouter | None = None,
     waiting: bool = False,
+    format: str = "text",
+    notice: str = "",
 ) -> GenerationView:
     """The right view for this shell and setting (not shown yet: call ``show()``).
 
@@ -489,9 +598,11 @@ def make_view(
         router: See :class:`DisplayRouter`. Default: ``None``.
         waiting: Whether the cell blocks on it (terminal views print then).
           Default: ``False``.
+        format: ``"markdown"`` or ``"text"``. Default: ``"text"``.
+        notice: One line to show with it. Default: ``""``.
     """
     kind = choose_ui(ui, shell)
-    kwargs: dict[str, Any] = dict(shell=shell, throttle=throttle, router=router)
+    kwargs: dict[str, Any] = dict(shell=shell, throttle=throttle, router=router, format=format, notice=notice)
     if kind == "terminal":
         return TerminalView(gen, stream=waiting, **kwargs)
     if kind == "text":
