@@ -217,7 +217,7 @@ class Cluster:
         self._ready.clear()
         self._closing.clear()
         self._stopping = False
-        context = zmq.Context.instance()
+        context: Any = zmq.Context.instance()
         sock = context.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -305,7 +305,9 @@ class Cluster:
         if not self.ready:
             raise ClusterError(f"the cluster is {self.state}{': ' + self.error if self.error else ''}; restart it")
         gen = Generation(request, on_cancel=lambda _gen: None)
-        gen.token = _ForwardingToken(lambda action, gid=gen.id: self._send({"op": "control", "id": gid, "action": action}))
+        gen.token = _ForwardingToken(
+            lambda action, gid=gen.id: self._send({"op": "control", "id": gid, "action": action})
+        )
         gen.stats = ClusterStats(ranks=self.spec.ranks, backend=self.spec.backend)
         reporter = Reporter(gen)
         with self._lock:
@@ -354,13 +356,13 @@ class Cluster:
                 except BlockingIOError:
                     pass
                 while self._outbox:
-                    sock.send(pack(self._outbox.popleft()))
+                    _send_now(sock, self._outbox.popleft())
                 while sock.poll(0, zmq.POLLIN):
                     self._last_heard = time.monotonic()
                     self._dispatch(unpack(sock.recv()))
                 now = time.monotonic()
                 if now - last_ping >= PING_S and self.state is ClusterState.READY:
-                    sock.send(pack({"op": "ping"}))
+                    _send_now(sock, {"op": "ping"})
                     last_ping = now
                 if self._closing.is_set():
                     break
@@ -403,7 +405,9 @@ class Cluster:
                 gen.stats.stop_latency_s = gen.token.mark_stopped()
                 reporter.finish(State.STOPPED)
             else:
-                reporter.finish(State.FAILED, ClusterError(f"cluster generation #{gen.id} failed: {why}; restart the cluster"))
+                reporter.finish(
+                    State.FAILED, ClusterError(f"cluster generation #{gen.id} failed: {why}; restart the cluster")
+                )
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         ev = msg.get("ev")
@@ -448,6 +452,16 @@ class Cluster:
                 gen.stats.stop_latency_s = token.mark_stopped()
             error = ClusterError(str(msg["error"])) if state is State.FAILED else None
             reporter.finish(state, error)
+
+
+def _send_now(sock: Any, message: dict[str, Any]) -> None:
+    """Send without blocking: a ``PAIR`` socket blocks while its peer is gone (rank 0 died), and the watchdog must not."""
+    import zmq
+
+    try:
+        sock.send(pack(message), zmq.NOBLOCK)
+    except zmq.Again:
+        log.debug("rank 0 is not connected; dropped %s", message.get("op"))
 
 
 def _update_stats(stats: GenerationStats, values: dict[str, Any]) -> None:

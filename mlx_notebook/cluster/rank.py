@@ -57,6 +57,8 @@ HEARTBEAT_TIMEOUT_S = 20.0
 ORPHAN_EXIT = 3
 # Exit status of a rank that could not load the model.
 LOAD_EXIT = 2
+# Exit status of a rank whose collective failed (another rank is gone).
+LOST_EXIT = 4
 # Stats travel with every this many tokens (and with every state change).
 STATS_EVERY = 16
 
@@ -90,7 +92,7 @@ def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
         str(folder), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group
     )
     model.eval()
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
     loaded = LoadedModel(
         ModelSource(str(folder), SourceKind.MLX, folder),
         model,
@@ -116,6 +118,7 @@ class Inbox:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.setsockopt(zmq.SNDHWM, 100_000)  # a send that finds the queue full drops the event
         self.socket.connect(address)
         self.requests: deque[dict[str, Any]] = deque()
         self.current: tuple[int, CancelToken] | None = None
@@ -125,8 +128,11 @@ class Inbox:
         self.serving = False
 
     def send(self, **message: Any) -> None:
-        """Send one event to the kernel."""
-        self.socket.send(pack(message))
+        """Send one event to the kernel (dropped when the kernel is gone: the lifeline ends this rank then)."""
+        try:
+            self.socket.send(pack(message), self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            pass
 
     def poll(self, timeout_s: float) -> None:
         """Read what the kernel sent, waiting up to ``timeout_s`` for the first message."""
@@ -202,6 +208,15 @@ def _plain(value: Any) -> Any:
     return value.value if hasattr(value, "value") else value
 
 
+class RankLost(Exception):
+    """A collective failed: another rank is gone, and this group can run nothing more."""
+
+
+def _lost_a_rank(message: str) -> bool:
+    # The backends' own words when a peer's connection drops (mlx 0.32: "[ring] connection to a peer was lost").
+    return message.startswith(("[ring]", "[nccl]", "[jaccl]", "[mpi]")) or "peer" in message.lower()
+
+
 def make_job(loaded: LoadedModel, msg: dict[str, Any]) -> Job:
     """The :class:`Job` for one ``generate`` message: prompt tokenized here, seed fixed here.
 
@@ -253,9 +268,14 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> N
         mx.synchronize()
         sink.finish(State.STOPPED)
     except Exception as exc:  # an MLX error on every rank alike (a bad prompt, memory): fail this one only
-        mx.synchronize()
         text = str(exc).strip().splitlines()
-        sink.finish(State.FAILED, text[0] if text else type(exc).__name__)
+        line = text[0] if text else type(exc).__name__
+        if _lost_a_rank(line):
+            # The group is broken: nothing more can run on it (mlx.launch ends the rest).
+            sink.finish(State.FAILED, f"a rank was lost ({line}); restart the cluster")
+            raise RankLost(line) from None
+        mx.synchronize()
+        sink.finish(State.FAILED, line)
     finally:
         if inbox is not None:
             inbox.current = None
@@ -346,9 +366,14 @@ def main(argv: list[str] | None = None) -> int:
             load_s=loaded.load_s,
             nbytes=loaded.nbytes,
         )
-    serve(loaded, group, inbox)
-    if inbox is not None:
-        inbox.socket.close(linger=1000)
+    try:
+        serve(loaded, group, inbox)
+    except RankLost as exc:
+        print(f"rank {group.rank()}: {exc}", file=sys.stderr)
+        return LOST_EXIT
+    finally:
+        if inbox is not None:
+            inbox.socket.close(linger=1000)
     return 0
 
 

@@ -1,0 +1,231 @@
+"""A 2-rank ring cluster on this machine (real ``mlx.launch``, real collectives, a real kernel).
+
+One cluster serves most tests (starting one takes seconds on a 2-core CPU);
+the rank-kill test runs last on it and restarts it. Timings are printed
+(``pytest -s``), never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import mlx_notebook
+from mlx_notebook import cluster
+from mlx_notebook.cluster.client import Cluster
+from mlx_notebook.cluster.errors import ClusterError
+from mlx_notebook.cluster.launch import LaunchSpec
+from mlx_notebook.errors import MLXNotebookError
+from mlx_notebook.generation.request import GenerationRequest
+from testkit.tiny_model import make_tiny_model
+
+NAME = "tiny-cluster"
+PROMPT = "Rivers flow to the sea; name three."
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (the launcher and its local ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pgid: int, timeout: float = 15.0) -> float:
+    """Seconds until nothing of process group ``pgid`` runs; fails after ``timeout``."""
+    start = time.monotonic()
+    while group_members(pgid):
+        assert time.monotonic() - start < timeout, f"cluster processes left: {group_members(pgid)}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def rank_pid(pgid: int, rank: int) -> int:
+    for pid in group_members(pgid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"mlx_notebook.cluster.rank" in cmd and f"MLX_RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} in group {pgid}")
+
+
+@pytest.fixture(scope="module")
+def running(tiny_model):
+    started = cluster.start(tiny_model, ranks=2, backend="ring", name=NAME)
+    yield started
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, worker) -> list[int]:
+    """Greedy tokens of the single-process run."""
+    gen = worker.submit(GenerationRequest(PROMPT, model=tiny_model, max_tokens=48))
+    gen.result(120)
+    return gen.tokens
+
+
+def test_greedy_tokens_match_single_process(running, reference, tiny_model):
+    gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    gen.result(120)
+    assert gen.tokens == reference
+    assert gen.stats.ranks == 2 and gen.stats.backend == "ring"  # type: ignore[attr-defined]
+    # The folder's path names the cluster's model too.
+    again = mlx_notebook.generate(PROMPT, model=tiny_model, max_tokens=8)
+    again.result(120)
+    assert again.tokens == reference[:8] and hasattr(again.stats, "ranks")
+    print(f"\ncluster decode {gen.stats.generation_tps:.1f} tok/s, step {gen.stats.decode_step_s * 1000:.1f} ms")
+
+
+def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
+    options = dict(model=NAME, max_tokens=40, temperature=0.9, seed=11)
+    whole = mlx_notebook.generate(PROMPT, **options)
+    whole.result(120)
+    local = worker.submit(GenerationRequest(PROMPT, **{**options, "model": tiny_model}))
+    local.result(120)
+    assert whole.tokens == local.tokens
+
+    gen = mlx_notebook.generate(PROMPT, **options)
+    while gen.stats.generated_tokens < 6 and not gen.finished:
+        time.sleep(0.005)
+    gen.pause()
+    deadline = time.monotonic() + 10
+    while gen.state != "paused":
+        assert time.monotonic() < deadline and not gen.finished
+        time.sleep(0.01)
+    held = len(gen.tokens)
+    time.sleep(0.3)
+    assert len(gen.tokens) == held  # every rank parked: nothing runs while paused
+    gen.resume()
+    gen.result(120)
+    assert gen.tokens == whole.tokens
+    print(f"\npause took effect in {gen.token.latencies('pause')[0] * 1000:.0f} ms")
+
+
+def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
+    prompt = list(range(3, 300)) * 6  # 1782 tokens, pieces of ~20 ms
+    gen = mlx_notebook.generate(prompt, model=NAME, max_tokens=4, stop_budget=0.02)
+    while gen.state != "prefilling" and not gen.finished:
+        time.sleep(0.005)
+    time.sleep(0.2)
+    gen.cancel()
+    assert gen.wait(30) and gen.state == "stopped"
+    prefill_stop = gen.stats.stop_latency_s
+    assert prefill_stop is not None
+
+    gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=2000)
+    while gen.stats.generated_tokens < 10 and not gen.finished:
+        time.sleep(0.005)
+    gen.cancel()
+    assert gen.wait(30) and gen.state == "stopped"
+    assert 10 <= gen.stats.generated_tokens < 2000
+    decode_stop = gen.stats.stop_latency_s
+    assert decode_stop is not None
+
+    after = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    after.result(120)
+    assert after.tokens == reference
+    print(f"\nstop latency: prefill {prefill_stop * 1000:.0f} ms (budget 20 ms), decode {decode_stop * 1000:.0f} ms")
+
+
+def test_bad_inputs_are_one_line_errors(running, tmp_path):
+    bad = tmp_path / "hosts.json"
+    bad.write_text("{not json")
+    three_heads = make_tiny_model(tmp_path / "three-heads", heads=3, kv_heads=1, hidden=48)
+    cases = [
+        lambda: Cluster(LaunchSpec(str(three_heads), backend="carrier-pigeon")),
+        lambda: Cluster(LaunchSpec(str(three_heads), hostfile=str(bad))),
+        lambda: Cluster(LaunchSpec(str(three_heads), hostfile=str(tmp_path / "missing.json"))),
+        lambda: Cluster(LaunchSpec("nobody/no-such-model")),
+        lambda: cluster.start(str(three_heads)),  # one runs already
+        lambda: Cluster(LaunchSpec(str(three_heads), ranks=2)).start(),  # 3 heads over 2 ranks
+    ]
+    messages = []
+    for case in cases:
+        with pytest.raises(MLXNotebookError) as info:
+            case()
+        messages.append(str(info.value))
+    assert all("\n" not in m for m in messages), messages
+    assert "unknown backend" in messages[0] and "not valid" in messages[1] and "not found" in messages[2]
+    assert "not divisible by 2" in messages[5]
+    print("\n" + "\n".join(messages))
+
+
+def test_rank_kill_fails_the_generation_then_restart(running, reference):
+    pgid = running.status().launcher_pid
+    assert pgid is not None
+    gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=5000)
+    while gen.stats.generated_tokens < 5:
+        assert not gen.finished
+        time.sleep(0.005)
+    killed_at = time.monotonic()
+    os.kill(rank_pid(pgid, 1), signal.SIGKILL)
+    assert gen.wait(20)
+    detected = time.monotonic() - killed_at
+    assert gen.state == "failed" and isinstance(gen.error, ClusterError)
+    assert "\n" not in str(gen.error) and "restart" in str(gen.error)
+    gone = wait_gone(pgid)
+    assert cluster.status().state == "ended"  # type: ignore[union-attr]
+    with pytest.raises(ClusterError):
+        running.submit(GenerationRequest(PROMPT, max_tokens=4))
+
+    cluster.restart()
+    after = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    after.result(120)
+    assert after.tokens == reference
+    print(f"\nrank kill: failed after {detected:.2f} s ({gen.error}); processes gone {gone:.2f} s later")
+
+
+def test_script_exit_leaves_no_process(tiny_model):
+    script = textwrap.dedent(
+        f"""
+        from mlx_notebook import cluster
+        c = cluster.start({tiny_model!r}, ranks=2)
+        print(c.status().launcher_pid, flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True)
+    pgid = int(out.stdout.split()[-1])
+    wait_gone(pgid, timeout=10)
+
+
+@pytest.mark.kernel
+def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
+    from testkit.kernel_helpers import KernelSession
+
+    kernel = KernelSession(extra_arguments=["--MLXGen.ui=text"])
+    try:
+        assert kernel.execute("%load_ext mlx_notebook").ok
+        bad = kernel.execute("%mlxgen_cluster start --backend smoke --model " + tiny_model)
+        assert not bad.ok and "unknown backend" in bad.content["evalue"]
+        reply = kernel.execute(f"%mlxgen_cluster start -n 2 --backend ring --model {tiny_model} --name tiny", 180)
+        assert reply.ok, reply.content
+        assert "cluster ready" in reply.stream("stdout")
+        reply = kernel.execute("%%mlxgen -m tiny -n 8 --wait -o g\nHello there", 120)
+        assert reply.ok, reply.content
+        assert kernel.eval("(g.state.value, g.stats.ranks, len(g.tokens))") == ("done", 2, 8)
+        assert "ready" in kernel.execute("%mlxgen_cluster status").stream("stdout")
+        pgid = kernel.eval("__import__('mlx_notebook').cluster.status().launcher_pid")
+        assert group_members(pgid)
+    finally:
+        kernel.process.kill()  # a crash: no atexit, no shutdown hook
+        kernel.close()
+    gone = wait_gone(pgid)
+    print(f"\nafter a kernel kill the cluster was gone in {gone:.2f} s")
