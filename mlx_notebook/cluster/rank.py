@@ -35,7 +35,7 @@ import traceback
 from collections import deque
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -92,7 +92,7 @@ def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
         str(folder), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group
     )
     model.eval()
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+    nbytes = sum(int(v.nbytes) for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     loaded = LoadedModel(
         ModelSource(str(folder), SourceKind.MLX, folder),
         model,
