@@ -230,3 +230,165 @@ def byte_alphabet() -> list[str]:
             chars[byte] = chr(256 + extra)
             extra += 1
     return [chars[byte] for byte in range(256)]
+
+
+# ------------------------------------------------- whole models, through gguf's writer
+
+# Families as llama.cpp writes them: GGUF architecture, general.name, tokenizer.ggml.pre,
+# and what the layers carry (q/k/v biases for Qwen2, q/k norms and a wider head for Qwen3).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": dict(arch="qwen2", name="Qwen2.5-0.5B-Instruct", pre="qwen2", style="qwen", vocab=151936, bias=True),
+    "qwen3": dict(arch="qwen3", name="Qwen3-0.6B", pre="qwen2", style="qwen", vocab=151936, qk_norm=True, head_dim=32),
+    # Mistral Nemo: llama architecture, a byte-level "tekken" vocabulary, its own output matrix.
+    "mistral": dict(
+        arch="llama", name="Mistral-Nemo-Instruct-2407", pre="tekken", style="llama", vocab=131072, tied=False
+    ),
+}
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def family_tokenizer(family: str) -> dict[str, Any]:
+    """The family's real-size ``tokenizer.json`` content (testkit.real_tokenizer), specials renamed."""
+    from .real_tokenizer import tokenizer_json
+
+    spec = FAMILIES[family]
+    tok = tokenizer_json(spec["vocab"], n_special=26 if spec["style"] == "qwen" else 256, style=spec["style"])
+    if family == "mistral":
+        for added, content in zip(tok["added_tokens"], MISTRAL_SPECIALS):
+            added["content"] = content
+    return tok
+
+
+def family_weights(family: str, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> tuple[dict, dict]:
+    """``(config, weights)``: an mlx-lm config and random float32 weights under Hugging Face names."""
+    spec = FAMILIES[family]
+    heads, kv_heads, intermediate = 4, 2, 2 * hidden
+    head_dim = spec.get("head_dim", hidden // heads)
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def gain(n: int) -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": mat(spec["vocab"], hidden) * 8, "model.norm.weight": gain(hidden)}
+    if not spec.get("tied", True):
+        w["lm_head.weight"] = mat(spec["vocab"], hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = gain(hidden)
+        w[p + "post_attention_layernorm.weight"] = gain(hidden)
+        for proj, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+            w[p + f"self_attn.{proj}_proj.weight"] = mat(rows, hidden)
+            if spec.get("bias"):
+                w[p + f"self_attn.{proj}_proj.bias"] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
+        w[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
+        if spec.get("qk_norm"):
+            w[p + "self_attn.q_norm.weight"] = gain(head_dim)
+            w[p + "self_attn.k_norm.weight"] = gain(head_dim)
+        w[p + "mlp.gate_proj.weight"] = mat(intermediate, hidden)
+        w[p + "mlp.up_proj.weight"] = mat(intermediate, hidden)
+        w[p + "mlp.down_proj.weight"] = mat(hidden, intermediate)
+    config = {
+        "model_type": "llama" if family == "mistral" else family,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "vocab_size": spec["vocab"],
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": spec.get("tied", True),
+    }
+    return config, w
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter: q/k rows of a llama model into the interleaved rotary layout."""
+    rows = weights.shape[0]
+    return weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_family_gguf(path: Path, family: str, config: dict, weights: dict, *, quantize: bool = False) -> Path:
+    """Write a model of ``family`` with ``gguf.GGUFWriter``, as llama.cpp's converter would.
+
+    Args:
+        path: The ``.gguf`` file to write.
+        family: A key of :data:`FAMILIES`.
+        config: From :func:`family_weights`.
+        weights: From :func:`family_weights` (Hugging Face names, float32).
+        quantize: Store the 2-D weights as Q8_0 (else F16); norms and biases stay F32.
+
+    Returns:
+        ``path``.
+    """
+    import gguf
+
+    spec = FAMILIES[family]
+    arch = spec["arch"]
+    tok = family_tokenizer(family)
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    by_id.update({t["id"]: t["content"] for t in tok["added_tokens"]})
+    tokens = [by_id[i] for i in range(len(by_id))]
+    added = {t["id"] for t in tok["added_tokens"]}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(spec["name"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(spec["pre"])
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    writer.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+    if family == "mistral":
+        ids = {t: i for i, t in enumerate(tokens)}
+        writer.add_bos_token_id(ids["<s>"])
+        writer.add_eos_token_id(ids["</s>"])
+        writer.add_add_bos_token(True)
+        writer.add_chat_template(MISTRAL_TEMPLATE)
+    else:
+        from .tiny_model import CHAT_TEMPLATE
+
+        writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config["num_hidden_layers"]
+    )
+    for name, array in weights.items():
+        stored = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert stored is not None, name
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            array = _llama_cpp_permute(array, heads)
+        if array.ndim == 1:
+            writer.add_tensor(stored, array.astype(np.float32))
+        elif quantize:
+            q = gguf.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(stored, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(stored, array.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
