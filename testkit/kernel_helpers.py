@@ -248,12 +248,27 @@ class KernelSession:
 
 
 def view(kernel: KernelSession, cell: str) -> dict[str, Any]:
-    """The current state of the widget that cell ``cell`` displayed."""
+    """The current state of the widget that cell ``cell`` displayed.
+
+    ``text`` is the answer as streamed so far: from the ``<pre>`` of a
+    ``--format text`` widget, or joined from the Markdown blocks (one
+    ``Output`` widget each, in order) of a ``--format markdown`` one.
+    """
     found: dict[str, Any] = {}
-    for comm_id, state in kernel.widgets(cell).items():
+    states = kernel.widgets(cell)
+    for comm_id, state in states.items():
         model = state.get("_model_name")
-        if model == "HTMLModel" and str(state.get("value", "")).startswith("<pre"):
-            found["text"] = html.unescape(re.sub(r"<[^>]+>", "", state["value"]))
+        if model == "VBoxModel" and "mlxgen-markdown" in state.get("_dom_classes", ()):
+            found["text"] = markdown_text(states, state)
+            found["blocks"] = len(state.get("children", ()))
+        elif model == "OutputModel":
+            continue
+        elif model == "HTMLModel" and str(state.get("value", "")).startswith("<pre"):
+            pre = re.match(r"<pre[^>]*>(.*?)</pre>", state["value"], re.S)
+            found["text"] = html.unescape(pre.group(1) if pre else "")
+            found["empty_note"] = "mlxgen-empty" in state["value"]
+        elif model == "HTMLModel" and "mlxgen-notice" in str(state.get("value", "")):
+            found["notice"] = html.unescape(re.sub(r"<[^>]+>", "", state["value"]))
         elif model == "HTMLModel":
             found["status"] = html.unescape(re.sub(r"<[^>]+>", "", state.get("value", "")))
         elif model == "ButtonModel" and state.get("tooltip", "").startswith("Stop"):
@@ -265,9 +280,20 @@ def view(kernel: KernelSession, cell: str) -> dict[str, Any]:
     return found
 
 
+def markdown_text(states: dict[str, dict[str, Any]], box: dict[str, Any]) -> str:
+    """The text of a Markdown area: its blocks' ``text/plain``, placeholders left out."""
+    parts = []
+    for ref in box.get("children", ()):
+        for output in states.get(str(ref).removeprefix("IPY_MODEL_"), {}).get("outputs", ()):
+            if not output.get("metadata", {}).get("mlx_notebook_placeholder"):
+                parts.append(output.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
 def status(kernel: KernelSession, cell: str) -> tuple[str, int]:
     """``(state, tokens)`` from the widget's stats line, e.g. ``#3 decoding · 5 tokens``."""
-    match = re.match(r"#\d+ (\w+) · (\d+) tokens", view(kernel, cell).get("status", ""))
+    # "#3 stopped: kernel restarted · 12 tokens": the reason is not the state.
+    match = re.match(r"#\d+ (\w+)(?:: [^·]*)? · (\d+) tokens", view(kernel, cell).get("status", ""))
     return (match.group(1), int(match.group(2))) if match else ("", 0)
 
 

@@ -86,6 +86,14 @@ class MarkdownBlocks:
             if cut is not None:
                 completed.append(text[self._committed : cut])
                 self._committed = cut
+        # A block ends as soon as the next one has begun: the first character of
+        # the line after the blank ones says (unless a list may go on: "1" can
+        # still become "1.", so that waits for the whole line).
+        rest = text[self._scanned :]
+        if self._break_at >= 0 and not self._block_list and rest[:1] and not rest[0].isspace():
+            completed.append(text[self._committed : self._break_at])
+            self._committed, self._break_at = self._break_at, -1
+            self._block_started = False  # its first line is scanned once complete
         return completed, text[self._committed :]
 
     def _scan_line(self, line: str, start: int) -> int | None:
