@@ -332,6 +332,14 @@ def test_pre_tokenizer_follows_metadata(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_llama3_pre_tokenizer_takes_vocabulary_words_whole(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "llama3.gguf", **{"tokenizer.ggml.pre": "llama3"})
+    folder = gguf.convert_gguf(tmp_path / "llama3.gguf", tmp_path / "out")
+    model = json.loads((folder / "tokenizer.json").read_text())["model"]
+    assert model["ignore_merges"] is True  # as llama.cpp (and Llama 3's tokenizer.json) does
+
+
+@pytest.mark.unit
 def test_out_of_range_special_ids_are_ignored(tmp_path: Path) -> None:
     # llama.cpp warns and ignores them; failing would refuse files it runs.
     write_tiny(tmp_path / "tiny.gguf", **{"tokenizer.ggml.padding_token_id": 10**6, "tokenizer.ggml.eot_token_id": 2})

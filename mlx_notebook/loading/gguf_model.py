@@ -27,6 +27,9 @@ __all__ = ["ModelPlan", "plan_model"]
 # llama.cpp splits digits one by one before GPT-2's regex for these; transformers
 # has no entry for them (it would keep "12" whole), the rest it knows.
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
+# llama.cpp takes a pre-token that is itself in the vocabulary whole for these
+# (Llama 3's ignore_merges); transformers' GGUF tokenizer merges it piece by piece.
+_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
 # Pre-tokenizers that are GPT-2's own regex, which transformers' GPT-2 tokenizer applies.
 _GPT2_PRE = (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
 _GUARD = threading.Lock()
@@ -298,6 +301,8 @@ def _tokenizer(info: GGUFInfo, tokenizer_dict: dict[str, Any]) -> Any:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
+    if byte_level and pre in _IGNORE_MERGES_PRE:
+        tokenizer.model.ignore_merges = True
     bos_id, eos_id = _special_id(info, "bos"), _special_id(info, "eos")
     add_eos = bool(info.metadata.get("tokenizer.ggml.add_eos_token", False))
     bos = [bos_id] if bos_id is not None and _add_bos(info) else []
