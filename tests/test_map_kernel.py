@@ -172,13 +172,18 @@ def test_pause_all_then_resume_all_gives_the_solo_tokens(kernel: KernelSession, 
     wait_rows(kernel, reply.msg_id, first_decoding, "row 0 decoding")
     pause_id = map_view(kernel, reply.msg_id)["pause_all"][0]
     kernel.click(pause_id)
+    # Each input pauses at its own next checkpoint; a queued one stays queued, paused in advance.
     kernel.wait_until(
-        lambda: map_view(kernel, reply.msg_id)["pause_all"][1]["description"] == "Resume all"
-        and "paused" in row_states(kernel, reply.msg_id),
+        lambda: (
+            map_view(kernel, reply.msg_id)["pause_all"][1]["description"] == "Resume all"
+            and "paused" in row_states(kernel, reply.msg_id)
+            and set(row_states(kernel, reply.msg_id)) <= {"paused", "queued", *FINAL}
+        ),
         30,
-        "Resume all and a paused row",
+        "Resume all and no input running",
     )
-    assert "decoding" not in row_states(kernel, reply.msg_id)
+    paused = kernel.eval("[len(g.tokens) for g in pz]")
+    assert kernel.eval("[len(g.tokens) for g in pz]") == paused and all(n < LONG for n in paused)
     kernel.click(pause_id)  # now labelled Resume all
     rows = wait_rows(kernel, reply.msg_id, all_final, "every row final")
     assert [r["state"] for r in rows] == ["done"] * 3, rows
