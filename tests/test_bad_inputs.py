@@ -336,6 +336,63 @@ def test_api_bad_gguf_fails_in_the_handle(worker, bad_files: Path) -> None:
     record("api", "api_load_model_unknown", str(missing.value))
 
 
+# -- %%mlxgen --map over inputs ------------------------------------------------------------------------
+
+MAP_SETUP = "map_number = 5\nmap_empty = []\nmap_rows = [{'name': 'Peru'}, {'title': 'Chile'}]\nmap_blank = [' ']"
+MAP_CASES: list[Case] = [
+    Case(
+        "map_not_iterable", "%%mlxgen --map map_number\n{item}", "--map map_number is an int, not iterable; give a list"
+    ),
+    Case("map_single_string", "%%mlxgen --map topic\n{item}", "--map topic is a single str; give a list of inputs"),
+    Case("map_empty_list", "%%mlxgen --map map_empty\n{item}", "--map map_empty is empty: nothing to generate"),
+    Case(
+        "map_missing_key",
+        "%%mlxgen --map map_rows\nAbout {item[name]}.",
+        "--map map_rows[1]: {item[name]} in the prompt: item has no key 'name' (KeyError)",
+    ),
+    Case(
+        "map_missing_field",
+        "%%mlxgen --map map_rows\nAbout {item.name}.",
+        "--map map_rows[0]: {item.name} in the prompt: item has no attribute 'name' (AttributeError); "
+        "for a dict write {item[name]}",
+    ),
+    Case("map_unknown_name", "%%mlxgen --map map_nope\n{item}", "--map map_nope: no variable 'map_nope'; define"),
+    Case("map_not_a_name", "%%mlxgen --map 1x\n{item}", "--map needs the name of a variable that holds the inputs"),
+    Case("map_blank_prompt", "%%mlxgen --map map_blank\n{item}", "--map map_blank: prompts[0]: prompt is empty"),
+    Case("map_without_name", "%%mlxgen --map\n{item}", "argument --map: expected one argument"),
+]
+
+
+@pytest.mark.parametrize("case", MAP_CASES, ids=[c.name for c in MAP_CASES])
+def test_map_case_queues_nothing(kernel: KernelSession, reference: list[int], case: Case) -> None:
+    assert kernel.execute(MAP_SETUP).ok
+    before = kernel.eval("len(__import__('mlx_notebook').default_worker().history)")
+    message = one_line_usage_error(kernel.execute(case.cell))
+    record("kernel", case.name, message)
+    assert case.phrase in message, message
+    assert kernel.eval("len(__import__('mlx_notebook').default_worker().history)") == before
+
+
+def test_bad_map_leaves_a_running_generation_alone(kernel: KernelSession, reference: list[int]) -> None:
+    assert kernel.execute(MAP_SETUP).ok
+    started = kernel.execute(f"%%mlxgen -n {REF_TOKENS} -o survivor\n{PROMPT}")
+    assert started.ok, started.content
+    for case in MAP_CASES:
+        one_line_usage_error(kernel.execute(case.cell))
+    assert wait_state(kernel, started.msg_id, ("done", "stopped", "failed")) == "done"
+    assert kernel.eval("survivor.tokens") == reference
+
+
+def test_api_generate_many_bad_prompt_queues_nothing(worker, tiny_model: str) -> None:
+    before = len(worker.history)
+    with pytest.raises(InvalidArgumentError) as caught:
+        mlx_notebook.generate_many([PROMPT, "  ", PROMPT], model=tiny_model, worker=worker)
+    message = str(caught.value)
+    record("api", "api_generate_many_blank_prompt", message)
+    assert message == "prompts[1]: prompt is empty: give some text to generate from"
+    assert len(worker.history) == before
+
+
 # -- afterwards ------------------------------------------------------------------------------------------
 
 
