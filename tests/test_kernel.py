@@ -43,7 +43,8 @@ def model_name(tiny_model: str) -> str:
 
 def _session(model_name: str) -> KernelSession:
     session = KernelSession()
-    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model_name!r}"):
+    # The plain-text widget: these tests read its <pre> (Markdown: tests/test_markdown.py).
+    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model_name!r}", "%config MLXGen.format = 'text'"):
         reply = session.execute(code)
         assert reply.ok, reply.content
     return session

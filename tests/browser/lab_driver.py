@@ -26,19 +26,30 @@ GENERATION_S = 180.0
 # -- driving JupyterLab -------------------------------------------------------------------------
 
 # One evaluate per sample: the widget's whole visible state.
+# A --format markdown generation that has ended is one Markdown output (no
+# widget): its status line is the <sub> under the answer, its buttons are gone.
 _WIDGET_STATE_JS = """
 (out) => {
   const box = out.querySelector('.widget-vbox');
-  if (!box) return null;
+  if (!box) {
+    const md = out.querySelector('.jp-RenderedMarkdown');
+    const sub = md ? md.querySelector('sub') : null;
+    if (!sub) return null;
+    const copy = md.cloneNode(true);
+    copy.querySelectorAll('sub').forEach((s) => s.closest('p') ? s.closest('p').remove() : s.remove());
+    const gone = {label: '', disabled: true};
+    return {text: copy.textContent.trim(), status: sub.textContent, color: sub.style.color,
+            stop: gone, pause: gone, bar_class: '', bar_width: '', phase: ''};
+  }
   const buttons = [...box.querySelectorAll('.widget-hbox button')];
-  const html = [...box.querySelectorAll(':scope > .widget-html .widget-html-content')];
-  const pre = html.length ? html[0].querySelector('pre') : null;
-  const span = html.length > 1 ? html[1].querySelector('span') : null;
+  const pre = box.querySelector(':scope > .widget-html pre');
+  const markdown = box.querySelector(':scope > .mlxgen-markdown');
+  const span = box.querySelector('.mlxgen-status');
   const bar = box.querySelector('.progress-bar');
   const label = box.querySelector('.widget-hprogress .widget-label');
   const button = (b) => b ? {label: b.textContent.trim(), disabled: b.disabled} : null;
   return {
-    text: pre ? pre.textContent : '',
+    text: pre ? pre.textContent : (markdown ? markdown.textContent : ''),
     status: span ? span.textContent : '',
     color: span ? span.style.color : '',
     stop: button(buttons[0]),
@@ -175,8 +186,11 @@ class Notebook:
         return self.cell(index).locator(".jp-InputArea-prompt").inner_text().strip()
 
     def widget(self, index: int, timeout: float = 60.0) -> Widget:
+        """The generation's widget, or the Markdown output it became when it ended."""
         widget = Widget(self, index)
-        widget.box.wait_for(state="visible", timeout=timeout * 1000)
+        self.output(index).locator(".widget-vbox, .jp-RenderedMarkdown").first.wait_for(
+            state="visible", timeout=timeout * 1000
+        )
         return widget
 
     def kernel_status(self) -> str:

@@ -40,7 +40,7 @@ def stderr_text(nb: Notebook, index: int) -> str:
 
 
 def test_interrupt_kernel_menu_during_wait_cell(lab: Lab) -> None:
-    nb = lab.open("interrupt.ipynb", ["%load_ext mlx_notebook", LONG, SHORT])
+    nb = lab.open("interrupt.ipynb", ["%load_ext mlx_notebook\n%config MLXGen.format = 'text'", LONG, SHORT])
     nb.run(0)
     assert nb.run(1, wait=False) == "[*]:"
     widget = nb.widget(1)
@@ -75,9 +75,9 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
     nb = lab.open(
         "restart.ipynb",
         [
-            "%load_ext mlx_notebook",
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'",
             "%%mlxgen -n 200\nWrite a long story about a dragon who learns to sing.",
-            "%load_ext mlx_notebook",
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'",
             SHORT,
         ],
     )
@@ -121,7 +121,9 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
 
 
 def _stop_during_wait(lab: Lab, name: str, setup: str) -> tuple:
-    nb = lab.open(name, ["%load_ext mlx_notebook", setup, LONG, "print('next cell ran')"])
+    nb = lab.open(
+        name, ["%load_ext mlx_notebook\n%config MLXGen.format = 'text'", setup, LONG, "print('next cell ran')"]
+    )
     nb.run(0)
     nb.run(1)
     nb.run(2, wait=False)

@@ -52,7 +52,7 @@ def test_text_and_stats_stream_into_the_widget(lab: Lab, screenshot_dir: Path) -
     nb = lab.open(
         "stream.ipynb",
         [
-            "%load_ext mlx_notebook",
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'",
             "%%mlxgen -n 24\nName three rivers in one sentence.",
         ],
     )
@@ -102,7 +102,7 @@ def test_text_and_stats_stream_into_the_widget(lab: Lab, screenshot_dir: Path) -
 
 def test_pause_holds_the_text_and_resume_gives_the_uninterrupted_text(lab: Lab, screenshot_dir: Path) -> None:
     cell = "%%mlxgen -n 40\nWrite two sentences about a lighthouse."
-    nb = lab.open("pause.ipynb", ["%load_ext mlx_notebook", cell, cell])
+    nb = lab.open("pause.ipynb", ["%load_ext mlx_notebook\n%config MLXGen.format = 'text'", cell, cell])
     nb.run(0)
     nb.run(1)
     widget = nb.widget(1)
@@ -139,7 +139,7 @@ def test_stop_during_prefill_and_during_decode(lab: Lab, screenshot_dir: Path) -
     nb = lab.open(
         "stop.ipynb",
         [
-            "%load_ext mlx_notebook",
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'",
             # Quantized weights on the CPU (read when this kernel loads the model):
             # prefill runs at ~15 tok/s on 2 cores, so 1,000 prompt tokens take
             # about a minute, long enough to click Stop in it on any CPU.
@@ -181,7 +181,7 @@ def test_prompt_longer_than_the_context_fails_in_the_widget(lab: Lab, screenshot
     nb = lab.open(
         "failed.ipynb",
         [
-            "%load_ext mlx_notebook",
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'",
             "too_long = 'word ' * 9000",
             "%%mlxgen -n 8\n{too_long}",
             "%%mlxgen -n 8\nName three rivers in one sentence.",
