@@ -39,7 +39,9 @@ from .widget import (
     OUTCOME_COLOR,
     OUTCOME_STYLE,
     DisplayRouter,
+    _Bundle,
     _keep_frontend_subshell,
+    _msg_id,
     choose_ui,
     current_parent,
     error_line,
@@ -117,17 +119,6 @@ def map_plain_text(batch: Batch) -> tuple[str, list[dict[str, Any]]]:
         size += len(line) + 1 + len(text)
         entries.append({"id": gen.id, "state": str(gen.state), "start": start, "end": start + len(text)})
     return "".join(out), entries
-
-
-class _Bundle:
-    """A display object with a fixed MIME bundle (for ``display`` / ``update``)."""
-
-    def __init__(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        self.data = data
-        self.metadata = metadata
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
-        return self.data, self.metadata
 
 
 # -- views -------------------------------------------------------------------------------------------
@@ -255,8 +246,7 @@ class MapTextView(MapView):
     def publish_final(self) -> None:
         # A draw already went to the starting cell; a headless client may be reading
         # another cell by now, so send it with the current parent too.
-        now, started = current_parent(self.shell), self.parent
-        if (now or {}).get("header", {}).get("msg_id") != (started or {}).get("header", {}).get("msg_id"):
+        if _msg_id(current_parent(self.shell)) != _msg_id(self.parent):
             self.publish()
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .lab_driver import GENERATION_S, Lab, Notebook
+from .lab_driver import Lab, Notebook, Widget
 
 pytestmark = pytest.mark.browser
 
@@ -80,46 +80,23 @@ class MapState:
     at: float = field(default_factory=time.monotonic, compare=False)
 
 
-class MapWidget:
-    """The ``--map`` widget in one cell's output area."""
+class MapWidget(Widget):
+    """The ``--map`` widget in one cell's output area (``wait_for`` and ``settle`` as a single widget's)."""
 
     def __init__(self, notebook: Notebook, index: int) -> None:
+        self.notebook = notebook
         self.page = notebook.page
         self.output = notebook.output(index)
         self.box = self.output.locator(".mlxgen-map").first
 
-    def read(self) -> MapState | None:
+    def read(self) -> MapState | None:  # what wait_for and settle poll
         data = self.output.evaluate(_MAP_STATE_JS)
         if not data:
             return None
         data["rows"] = [Row(**row) for row in data["rows"]]
         return MapState(**data)
 
-    def wait_for(self, predicate: Any, timeout: float = GENERATION_S, what: str = "") -> MapState:
-        deadline = time.monotonic() + timeout
-        last: MapState | None = None
-        while True:
-            last = self.read()
-            if last is not None and predicate(last):
-                return last
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}; widget: {last}")
-            self.page.wait_for_timeout(50)
-
-    def settle(self, quiet: float = 0.3, timeout: float = 10.0) -> MapState:
-        """The widget once it has not changed for ``quiet`` seconds."""
-        deadline = time.monotonic() + timeout
-        last = self.read()
-        while True:
-            self.page.wait_for_timeout(quiet * 1000)
-            now = self.read()
-            if now == last and now is not None:
-                return now
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the widget keeps changing after {timeout} s: {last} -> {now}")
-            last = now
-
-    def click_stop(self, row: int) -> None:
+    def click_row_stop(self, row: int) -> None:
         self.box.locator(".mlxgen-map-row").nth(row).locator("button").click()
 
 
@@ -148,7 +125,7 @@ def test_stop_one_row_of_five(lab: Lab, screenshot_dir: Path) -> None:
 
     target = 2
     assert running.rows[target].state not in FINAL, running.rows[target]
-    widget.click_stop(target)
+    widget.click_row_stop(target)
     ended = widget.wait_for(
         lambda s: len(s.rows) == 5 and all(r.state in FINAL for r in s.rows), what="every input final"
     )
