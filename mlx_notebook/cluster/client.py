@@ -223,6 +223,7 @@ class Cluster:
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.launcher = Launcher(command(self.spec, self.folder, connect=f"tcp://127.0.0.1:{port}"))
         self._last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="mlx-notebook-cluster", daemon=True)
@@ -336,10 +337,12 @@ class Cluster:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # the thread has ended and closed the pipe
-            pass
+        with self._lock:  # never a write to a closed (and perhaps reused) descriptor
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # the pipe is full: the thread is awake anyway
+                    pass
 
     def _loop(self, sock: Any) -> None:
         import zmq
@@ -373,8 +376,10 @@ class Cluster:
             launcher = self.launcher
             if launcher is not None:
                 launcher.stop(timeout=5.0 if self._stopping else 0.0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
             _live.discard(self)
 
     def _watch(self, now: float) -> bool:

@@ -29,7 +29,14 @@ from ..loading.names import SourceKind, cache_dir, resolve
 from .errors import ClusterError
 
 BACKENDS = ("ring", "mpi", "jaccl", "jaccl-ring", "nccl")
-_LAUNCH_MAIN = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+# mlx.launch's own entry point, run with this interpreter, with stdin forwarding off: each of
+# its per-rank threads select()s on the rank's stdin pipe, which is always writable, so
+# without this they spin (measured: ~30% of a core for the cluster's whole life).
+LAUNCH_MAIN = (
+    "import select, sys; from mlx._distributed_utils import launch; "
+    "launch.select = lambda r, w, x, t=None: (select.select(r, [], x, t)[0], [], []); "
+    "sys.exit(launch.main())"
+)
 
 
 @dataclass
@@ -117,8 +124,7 @@ def _free_port_run(count: int) -> int:
 
 def command(spec: LaunchSpec, folder: Path, *, connect: str) -> list[str]:
     """The ``mlx.launch`` command line for ``spec``."""
-    # mlx.launch's own entry point, with this interpreter (its module has no __main__ guard).
-    cmd = [sys.executable, "-c", _LAUNCH_MAIN, "--backend", spec.backend]
+    cmd = [sys.executable, "-c", LAUNCH_MAIN, "--backend", spec.backend]
     if spec.hostfile is not None:
         cmd += ["--hostfile", str(Path(spec.hostfile).expanduser())]
     else:

@@ -59,6 +59,8 @@ ORPHAN_EXIT = 3
 LOAD_EXIT = 2
 # Exit status of a rank whose collective failed (another rank is gone).
 LOST_EXIT = 4
+# Set to "1" (benchmarks): generations ignore EOS, so every run decodes max_tokens.
+IGNORE_EOS_ENV = "MLX_NOTEBOOK_CLUSTER_IGNORE_EOS"
 # Stats travel with every this many tokens (and with every state change).
 STATS_EVERY = 16
 
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {group.rank()}: cannot load {args.model}: {line}", file=sys.stderr)
         traceback.print_exc()
         return LOAD_EXIT
+    if os.environ.get(IGNORE_EOS_ENV) == "1":
+        loaded.tokenizer.eos_token_ids = []  # benchmarks: every run decodes max_tokens
     if inbox is not None:
         inbox.last_heard = time.monotonic()
         inbox.serving = True

@@ -78,7 +78,7 @@ def start(
 
 
 def current() -> Cluster | None:
-    """The kernel's cluster (running or ended), or ``None`` when none was started."""
+    """The kernel's last cluster (running or ended), or ``None`` when none was started."""
     return _current
 
 
@@ -89,11 +89,9 @@ def status() -> ClusterStatus | None:
 
 
 def stop() -> bool:
-    """End the kernel's cluster; return whether there was one."""
-    global _current
-    with _lock:
-        cluster, _current = _current, None
-    if cluster is None:
+    """End the kernel's cluster (:func:`restart` starts it again); return whether one was running."""
+    cluster = _current
+    if cluster is None or cluster.status().launcher_pid is None:
         return False
     cluster.stop()
     return True
