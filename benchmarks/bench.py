@@ -139,7 +139,8 @@ def open_model(model: str, synthetic, context: int, folder: Path):
         t0 = time.perf_counter()
         name = build_synthetic(synthetic, folder / synthetic)
         print(f"built {synthetic} in {time.perf_counter() - t0:.1f} s", flush=True)
-    worker = mlx_notebook.Worker()
+    # Repeated prompts must be prefilled each time, not taken from the prompt cache.
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
     t0 = time.perf_counter()
     worker.load_model(name)
     load_s = time.perf_counter() - t0

@@ -17,7 +17,7 @@ Usage::
 
     python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json
     python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json --resume
-    python -m scripts.fault_campaign --rounds 30 --default-share 0 --exit-rounds 4
+    python -m scripts.fault_campaign --rounds 30 --default-share 0 --exit-rounds 4 --batch-rounds 10
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --json")
     parser.add_argument("--exit-rounds", type=int, default=20, help="shutdown/restart rounds (default 20)")
     parser.add_argument(
+        "--batch-rounds", type=int, default=40, help="rounds of 2-6 generations decoding together (default 40)"
+    )
+    parser.add_argument(
         "--default-share",
         type=float,
         default=0.06,
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if use_default:
         models.append(default_spec())
 
-    payload: dict[str, Any] = {"args": vars(args), "rounds": [], "exit_rounds": []}
+    payload: dict[str, Any] = {"args": vars(args), "rounds": [], "exit_rounds": [], "batch_rounds": []}
     if args.resume and os.path.exists(args.json):
         with open(args.json) as f:
             payload = json.load(f)
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.time_limit is not None and time.monotonic() - started > args.time_limit
 
     def save() -> None:
-        rounds = [from_json(r) for r in payload["rounds"]]
+        rounds = [from_json(r) for r in payload["rounds"] + payload.setdefault("batch_rounds", [])]
         exits = [from_json(r) for r in payload["exit_rounds"]]
         payload["elapsed_s"] = round(elapsed_before + time.monotonic() - started, 1)
         payload["summary"] = summarize(rounds, exits)
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             phase = EXIT_PHASES[(index // 2) % len(EXIT_PHASES)]
             result = campaign.exit_round(index, mode, phase)
             payload["exit_rounds"].append(result.to_json())
+            save()
+        for index in range(len(payload["batch_rounds"]), args.batch_rounds):
+            payload["batch_rounds"].append(campaign.batch_round(index).to_json())
             save()
         for index in range(done, args.rounds):
             if over_time():

@@ -88,7 +88,10 @@ def _fc_probe(settle=30.0):
     while busy() and _fc_time.monotonic() < deadline:
         _fc_time.sleep(0.02)
     left = [g.id for g in w.active()] if w is not None else []
-    mem = w.call(lambda store: _fc_mx.get_active_memory(), timeout=60) if w is not None else None
+    def used(store):  # kept prompt caches are memory on purpose (bounded): not a leak
+        kept = sum(m.prompt_cache.nbytes for m in store.loaded() if m.prompt_cache is not None)
+        return _fc_mx.get_active_memory() - kept
+    mem = w.call(used, timeout=60) if w is not None else None
     return {"pid": _fc_os.getpid(), "memory": mem, "active": left,
             "loaded": sorted(str(m.source.path) for m in w.store.loaded()) if w is not None else [],
             "worker_alive": None if w is None else w.alive,
@@ -524,6 +527,78 @@ class Campaign:
 
     # -- shutdown / restart rounds ------------------------------------------------------------------------
 
+    def batch_round(self, index: int) -> RoundResult:
+        """Several generations of the main model decoding together, random controls on random rows.
+
+        2-4 background cells (short and long prompts, so the rows are padded
+        differently); then random Stop clicks, Pause and Resume clicks, a
+        cell joining mid-batch, and now and then a kernel interrupt or
+        ``%mlxgen_stop``. Every row that ends ``done`` must give the reference
+        tokens, every ``stopped`` one a prefix of them; then the usual checks
+        (kernel, fresh greedy run, memory, threads).
+        """
+        spec = self.main
+        rng = random.Random(f"batch:{self.seed}:{index}")
+        result = RoundResult(index, spec.label, "batch", "batch")
+        start = time.monotonic()
+        s = self.s
+        with s._cond:
+            s.messages.clear()
+        try:
+            cells: list[tuple[str, str, str]] = []  # (cell, handle name, prompt kind)
+
+            def launch() -> None:
+                kind = rng.choice(("short", "short", "prefill"))
+                name = f"_fc_m{len(cells)}"
+                prompt, n = self._prompt(spec, kind)
+                reply = s.execute(self._cell(spec, prompt, n, name))
+                assert reply.ok, reply.content
+                cells.append((reply.msg_id, name, kind))
+
+            for _ in range(rng.randint(2, 4)):
+                launch()
+            for _ in range(rng.randint(2, 7)):
+                time.sleep(rng.uniform(0, 0.3))
+                action = rng.choice(("stop", "pause", "resume", "resume", "join", "wait", "interrupt", "stop_all"))
+                cell = rng.choice(cells)[0]
+                state = _state(s, cell)[0]
+                if action == "join" and len(cells) < 6:
+                    launch()
+                elif action in ("stop", "pause", "resume") and state not in FINAL and state:
+                    button = "pause" if action in ("pause", "resume") else "stop"
+                    if (action == "resume") == (state == "paused"):
+                        s.click(view(s, cell)[button][0])
+                elif action == "interrupt":
+                    s.km.interrupt_kernel()
+                elif action == "stop_all":
+                    assert s.execute("%mlxgen_stop all").ok
+            for cell, _, _ in cells:  # resume what is still paused
+                if _state(s, cell)[0] == "paused":
+                    s.click(view(s, cell)["pause"][0])
+            for cell, name, kind in cells:
+                state = _ended(s, cell, name, result.problems)
+                gen = self.gen(name)
+                want = self.references[(spec.label, kind)]
+                if state != gen["state"]:
+                    result.problems.append(f"{name}: widget says {state}, handle says {gen['state']}")
+                if gen["state"] == "done" and gen["tokens"] != want:
+                    result.wrong_output = True
+                    result.problems.append(f"{name} done with tokens other than the reference")
+                elif gen["state"] == "stopped" and want[: len(gen["tokens"])] != gen["tokens"]:
+                    result.wrong_output = True
+                    result.problems.append(f"{name} stopped with tokens that are not a prefix of the reference")
+                elif gen["state"] not in ("done", "stopped"):
+                    result.problems.append(f"{name} ended {gen['state']}: {gen['error']}")
+                elif gen["state"] == "stopped" and (gen["stop_latency"] or 0) > STOP_LATENCY_LIMIT_S:
+                    result.problems.append(f"{name} stop latency {gen['stop_latency']}")
+            result.outcome = ",".join(sorted(self.gen(n)["state"] for _, n, _ in cells))
+        except Exception as exc:  # a driver-side failure is a finding too
+            result.problems.append(f"round failed: {type(exc).__name__}: {exc}")
+        self._after_round(spec, result)
+        result.seconds = time.monotonic() - start
+        self.log(result.summary())
+        return result
+
     def exit_round(self, index: int, mode: str, phase: str) -> RoundResult:
         """A fresh kernel, a generation in ``phase``, then shutdown or restart (``mode``).
 
@@ -703,6 +778,8 @@ class _Round:
             # "not loaded" after a restart that has not used this model yet: loads anyway.
             assert reply.ok and "loaded" in reply.stream("stdout"), reply.content
         if phase == "queued":
+            # One at a time: the target waits behind the blocker instead of joining its batch.
+            assert s.execute("%config MLXGen.max_batch = 1").ok
             blocker = s.execute(self.cell_code("_fc_b", kind="short"))
             assert blocker.ok, blocker.content
             self.blocker_cell = blocker.msg_id
@@ -725,6 +802,9 @@ class _Round:
             landed = _reach(s, self.cell, phase, self.spec, self.rng)
         self.r.landed = landed
         getattr(self, "fault_" + fault)()
+        if phase == "queued" and not self.restarted:
+            # After the fault: a --wait target holds the kernel until then.
+            assert s.execute("%config MLXGen.max_batch = 8", timeout=600).ok
         if not self.restarted:
             self.judge()
 

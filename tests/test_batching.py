@@ -183,3 +183,29 @@ def test_prompt_cache_is_bounded_and_dropped_on_unload(worker, tiny_model):
     worker.prompt_cache_gb = 1e-9
     assert loaded.prompt_cache.nbytes == 0
     worker.prompt_cache_gb = 2
+
+
+def test_stopped_prefill_frees_its_cache_without_a_garbage_collection(tiny_model):
+    """The layer-group runner once kept a cycle (wrappers -> runner -> KV cache)."""
+    import gc
+
+    import mlx.core as mx
+
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    long = " ".join(f"w{i}" for i in range(600))
+    try:
+        mlx_notebook.generate("hello", model=tiny_model, worker=worker, max_tokens=4).result(timeout=60)
+        base = worker.call(lambda store: mx.get_active_memory())
+        gc.disable()
+        for i in range(4):
+            gen = mlx_notebook.generate(long, model=tiny_model, worker=worker, max_tokens=4, stop_budget=0.005)
+            while gen.state != "prefilling" and not gen.finished:
+                time.sleep(0.0005)
+            time.sleep(0.002 * i)
+            gen.cancel()
+            gen.wait(60)
+            worker.call(lambda store: None)  # the session has ended
+            assert worker.call(lambda store: mx.get_active_memory()) == base
+    finally:
+        gc.enable()
+        worker.shutdown()

@@ -79,6 +79,14 @@ def test_mlx_error_fails_only_that_generation(campaign: Campaign, phase: str, ho
     assert result.outcome == "failed", result.summary()
 
 
+def test_batched_rounds(campaign: Campaign) -> None:
+    """Generations decoding together, random Stop / Pause / Resume / join / interrupt on random rows."""
+    results = [campaign.batch_round(i) for i in range(6)]
+    _no_problems(results)
+    assert any("stopped" in r.outcome for r in results), [r.outcome for r in results]
+    assert any("done" in r.outcome for r in results), [r.outcome for r in results]
+
+
 @needs_default_model
 @pytest.mark.parametrize(
     "phase, fault", [("load", "stop_click"), ("load", "pause_resume"), ("prefill", "interrupt_wait")]

@@ -21,6 +21,7 @@ from IPython.testing.globalipapp import get_ipython
 from traitlets import TraitError
 
 import mlx_notebook
+from mlx_notebook.generation.request import DEFAULT_MAX_BATCH
 from mlx_notebook.notebook.extension import load, loaded_magics, unload
 from mlx_notebook.notebook.interpolate import UnknownVariableError, interpolate, placeholders
 from mlx_notebook.notebook.kernel_hooks import shutdown_worker, wait_for
@@ -155,8 +156,11 @@ def test_bad_input_raises_one_usage_error(ip: Any, magics: MLXGen, cell: str, fr
 
 
 def test_line_magics(ip: Any, magics: MLXGen, worker: mlx_notebook.Worker, capsys: Any) -> None:
+    # One at a time, so that the second waits in the queue rather than joining the first's batch.
+    ip.run_line_magic("config", "MLXGen.max_batch = 1")
     ip.run_cell(f"%%mlxgen -n 3000 -o long\n{PROMPT}")
     ip.run_cell(f"%%mlxgen -n 5 -o queued\n{PROMPT}")
+    ip.run_line_magic("config", f"MLXGen.max_batch = {DEFAULT_MAX_BATCH}")
     long, queued = ip.user_ns["long"], ip.user_ns["queued"]
     wait_until(lambda: long.state == "decoding")
     capsys.readouterr()
@@ -169,7 +173,8 @@ def test_line_magics(ip: Any, magics: MLXGen, worker: mlx_notebook.Worker, capsy
     assert long.wait(10) and long.state == "stopped"
     assert "stopping" in capsys.readouterr().out
     ip.run_line_magic("mlxgen_models", "")
-    assert "MB" in capsys.readouterr().out
+    listing = capsys.readouterr().out
+    assert "MB" in listing and "prompt cache" in listing
     with pytest.raises(UsageError, match="no generation #123456"):
         ip.run_line_magic("mlxgen_stop", "123456")
 

@@ -163,9 +163,13 @@ class LayerRunner:
         try:
             self.model(inputs, cache=self.cache)
         finally:
-            # Restore even when a stop raises out of the forward pass.
+            # Restore even when a stop raises out of the forward pass, and
+            # drop the wrappers: they refer back to this runner (its hook),
+            # which holds the KV cache; a cycle would keep the cache until
+            # the garbage collector runs.
             self.owner.layers = original
             self._in_flight = []
+            self._original, self._wrapped = [], []
         mx.eval([c.state for c in self.cache])
         elapsed = time.perf_counter() - t0 - self.outside_s
         if self._calls == 0:

@@ -110,20 +110,25 @@ class Session:
 
     def run(self, first: Reporter) -> None:
         """Run ``first`` and every generation that joins, until none is left."""
-        with contextlib.ExitStack() as stack:
-            self._start(first, stack)
-            while True:
-                if self.batch is not None:
-                    self.batch.poll_parked()
-                job = self.jobs.take_joiner(self.key, self._fits)
-                if job is not None:
-                    self._start(job, stack)
-                elif self.batch is not None and self.batch.has_work():
-                    self._step()
-                elif self.batch is not None and self.batch.parked:
-                    self.jobs.wait_for_change(IDLE_WAIT_S)
-                else:
-                    return
+        try:
+            with contextlib.ExitStack() as stack:
+                self._start(first, stack)
+                while True:
+                    if self.batch is not None:
+                        self.batch.poll_parked()
+                    job = self.jobs.take_joiner(self.key, self._fits)
+                    if job is not None:
+                        self._start(job, stack)
+                    elif self.batch is not None and self.batch.has_work():
+                        self._step()
+                    elif self.batch is not None and self.batch.parked:
+                        self.jobs.wait_for_change(IDLE_WAIT_S)
+                    else:
+                        return
+        finally:
+            # The batch refers back to the session (its on_leave): break the
+            # cycle so that what it holds goes now, not at the next collection.
+            self.batch = None
 
     def _fits(self, job: Reporter) -> bool:
         """Whether ``job`` may join now: every member's ``max_batch`` (its own too) leaves room."""

@@ -31,7 +31,8 @@ from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import MLXNotebookError
 from ..generation.handle import Generation
-from ..generation.request import GenerationRequest, check_option
+from ..generation.prefix_cache import DEFAULT_PROMPT_CACHE_GB
+from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option
 from ..generation.states import State
 from ..generation.worker import Worker, default_worker
 from ..loading.names import resolve
@@ -43,7 +44,7 @@ from .map_widget import make_map_view
 from .widget import FORMAT_CHOICES, UI_CHOICES, DisplayRouter, error_line, make_view
 
 # Traits that are defaults of GenerationRequest fields of the same name.
-_REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget")
+_REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget", "max_batch")
 
 
 def _fail(message: str) -> UsageError:
@@ -77,6 +78,16 @@ class MLXGen(Magics):
     system = Unicode(None, allow_none=True, help="System message (-s).").tag(config=True)
     stop_budget = Float(
         DEFAULT_STOP_BUDGET_S, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
+    ).tag(config=True)
+    max_batch = Integer(
+        DEFAULT_MAX_BATCH,
+        help="Most generations of one model decoded together (1 runs each alone); "
+        "cells started while others run join their batch.",
+    ).tag(config=True)
+    prompt_cache_gb = Float(
+        DEFAULT_PROMPT_CACHE_GB,
+        help="GB of KV caches of past generations kept per model, so that a prompt "
+        "sharing a prefix with an earlier one prefills only the rest; 0 turns it off.",
     ).tag(config=True)
     wait = Bool(False, help="Block the cell until the generation ends (--wait); else it runs in the background.").tag(
         config=True
@@ -123,6 +134,13 @@ class MLXGen(Magics):
             raise TraitError(f"MLXGen.{exc}") from None
         return proposal["value"]
 
+    @validate("prompt_cache_gb")
+    def _check_prompt_cache_gb(self, proposal: Any) -> float:
+        value = proposal["value"]
+        if not value >= 0 or value == float("inf"):
+            raise TraitError(f"MLXGen.prompt_cache_gb must be a number of GB >= 0 (0 turns it off), got {value}")
+        return value
+
     @validate("throttle")
     def _check_throttle(self, proposal: Any) -> float:
         if not proposal["value"] >= 0:
@@ -140,6 +158,8 @@ class MLXGen(Magics):
         worker = default_worker()
         assert worker is not None  # create=True always gives one
         self._worker = worker
+        if worker.prompt_cache_gb != self.prompt_cache_gb:
+            worker.prompt_cache_gb = self.prompt_cache_gb
         return worker
 
     def used_worker(self) -> Worker | None:
@@ -260,7 +280,7 @@ class MLXGen(Magics):
             "system": args.system,
             "stop_budget": args.budget,
         }
-        options = {name: getattr(self, name) if given[name] is None else given[name] for name in _REQUEST_TRAITS}
+        options = {name: getattr(self, name) if given.get(name) is None else given[name] for name in _REQUEST_TRAITS}
         return dict(options, top_p=args.top_p, seed=args.seed, chat=not args.raw)
 
     def _mlxgen_map(self, args: Any, template: str) -> None:
@@ -372,9 +392,11 @@ class MLXGen(Magics):
         if not loaded:
             print("no model loaded")
             return
-        rows = [["model", "parameters", "loaded in", "path"]]
+        rows = [["model", "parameters", "loaded in", "prompt cache", "path"]]
         for m in loaded:
-            rows.append([m.source.name, f"{m.nbytes / 2**20:.0f} MB", f"{m.load_s:.1f} s", str(m.source.path)])
+            kept = m.prompt_cache
+            cached = f"{len(kept)} x, {kept.nbytes / 2**20:.0f} MB" if kept is not None else "-"
+            rows.append([m.source.name, f"{m.nbytes / 2**20:.0f} MB", f"{m.load_s:.1f} s", cached, str(m.source.path)])
         print(_table(rows))
         try:
             import mlx.core as mx

@@ -1,0 +1,301 @@
+"""Continuous batching and prompt-prefix reuse against plain mlx-lm, in one run.
+
+Usage::
+
+    python -m benchmarks.batching --model default --batch 4 --out benchmarks/results/batching_cpu.json
+    python -m benchmarks.batching --synthetic llama3-8b --batch 8 --budget 0.01 \
+        --join-length 8192 --out benchmarks/results/h200_batching.json   # on an NVIDIA machine
+
+What it measures (EOS off, so every run decodes the same number of tokens):
+
+* solo: decode tok/s of one generation through the worker (a batch of one)
+  and through the pre-batching engine loop (``Engine.run``: "today's"), alternated;
+* batch: aggregate decode tok/s of ``--batch`` concurrent generations (counted
+  over the window where all of them decode), against one generation and
+  against mlx-lm's ``BatchGenerator`` on the same prompts; greedy agreement of
+  every row with its solo run;
+* stop of one row while the others decode (``cancel()`` to ``wait()``), p50/p99;
+* the others' longest gap between two tokens while a ``--join-length`` prompt
+  joins, against the budget and the step time;
+* prefix reuse: a ``--prefix-length`` prompt, then the same with its last
+  sentence changed: time to first token cold vs warm, same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_notebook
+from benchmarks.bench import SYNTHETIC, open_model, percentile, prompt_ids, save
+from mlx_notebook.control import unpaced
+from mlx_notebook.generation.engine import Engine
+from mlx_notebook.generation.handle import Generation, Reporter
+from mlx_notebook.generation.request import GenerationRequest
+
+
+class TokenClock:
+    """Times of every token of a set of generations (listener)."""
+
+    def __init__(self, gens: list[Generation]) -> None:
+        self.times: dict[int, list[float]] = {g.id: [] for g in gens}
+        for g in gens:
+            g.add_listener(self)
+
+    def __call__(self, event) -> None:
+        if event.kind == "tokens" and event.text is not None:
+            self.times[event.generation.id].append(time.perf_counter())
+
+
+def aggregate_tps(times: list[list[float]]) -> float:
+    """Tokens per second over the window where every sequence decodes (from the last first token)."""
+    start = max(t[0] for t in times)
+    end = max(t[-1] for t in times)
+    n = sum(sum(1 for x in t if start < x <= end) for t in times)
+    return n / max(end - start, 1e-9)
+
+
+def ours_batch(worker, name, prompts, max_tokens, budget):
+    gens = [
+        mlx_notebook.generate(p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget) for p in prompts
+    ]
+    clock = TokenClock(gens)
+    for g in gens:
+        g.result()
+    return aggregate_tps([clock.times[g.id] for g in gens]), [g.tokens for g in gens], gens
+
+
+def mlx_lm_batch(worker, name, prompts, max_tokens):
+    """mlx-lm's BatchGenerator on the worker thread and stream."""
+    from mlx_lm.generate import BatchGenerator
+
+    def job(store):
+        loaded = store.get(name)
+        gen = BatchGenerator(loaded.model, stop_tokens=None, stream=worker.stream, completion_batch_size=len(prompts))
+        uids = gen.insert(prompts, [max_tokens] * len(prompts))
+        times = {u: [] for u in uids}
+        tokens = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                times[r.uid].append(now)
+                tokens[r.uid].append(r.token)
+        gen.close()
+        return aggregate_tps([times[u] for u in uids]), [tokens[u] for u in uids]
+
+    return worker.call(job)
+
+
+def todays_engine(worker, name, ids, max_tokens, budget):
+    """The engine's own solo loop (``Engine.run``), as before batching."""
+    request = GenerationRequest(ids, model=name, max_tokens=max_tokens, stop_budget=budget)
+    gen = Generation(request, on_cancel=lambda g: None)
+    clock = TokenClock([gen])
+
+    def job(store):
+        Engine(store, worker.stream).run(request, unpaced(budget), Reporter(gen))
+
+    worker.call(job)
+    t = clock.times[gen.id]
+    return (len(t) - 1) / (t[-1] - t[0]), gen.tokens
+
+
+def solo_rows(worker, name, prompts, max_tokens, budget):
+    out = []
+    for p in prompts:
+        gen = mlx_notebook.generate(
+            p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget, max_batch=1
+        )
+        clock = TokenClock([gen])
+        gen.result()
+        t = clock.times[gen.id]
+        out.append(((len(t) - 1) / (t[-1] - t[0]), gen.tokens))
+    return out
+
+
+def wait_decoding(gens, n=2):
+    while any(len(g.tokens) < n and not g.finished for g in gens):
+        time.sleep(0.0005)
+
+
+def stop_one_rounds(worker, name, prompts, budget, rounds, rng):
+    latencies = []
+    for _ in range(rounds):
+        gens = [
+            mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
+        ]
+        wait_decoding(gens)
+        time.sleep(rng.uniform(0.0, 0.2))
+        victim = rng.choice(gens)
+        t0 = time.perf_counter()
+        victim.cancel()
+        victim.wait()
+        latencies.append(time.perf_counter() - t0)
+        assert all(not g.finished for g in gens if g is not victim), "a stop ended another row"
+        for g in gens:
+            g.cancel()
+        for g in gens:
+            g.wait()
+    return latencies
+
+
+def join_gap(worker, name, prompts, join_ids, budget):
+    """Others' longest inter-token gap while a long prompt prefills and joins."""
+    gens = [
+        mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
+    ]
+    clock = TokenClock(gens)
+    wait_decoding(gens, 8)
+    joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
+    t_join = time.perf_counter()
+    joiner.result()
+    t_end = time.perf_counter()
+    for g in gens:
+        g.cancel()
+    for g in gens:
+        g.wait()
+    gaps, steps = [], []
+    for g in gens:
+        t = clock.times[g.id]
+        before = [b - a for a, b in zip(t, t[1:]) if b < t_join]
+        steps += before[-8:]
+        gaps += [b - a for a, b in zip(t, t[1:]) if b >= t_join and a <= t_end]
+    step = statistics.median(steps)
+    return {
+        "join_length": len(join_ids),
+        "joiner_prefill_s": joiner.stats.ttft_s,
+        "others_max_gap_ms": 1000 * max(gaps),
+        "others_step_ms": 1000 * step,
+        "budget_plus_2_steps_ms": 1000 * (budget + 2 * step),
+    }
+
+
+def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
+    doc = prompt_ids(length, vocab, seed=7)
+    first, second = doc + prompt_ids(24, vocab, seed=8), doc + prompt_ids(24, vocab, seed=9)
+    worker.prompt_cache_gb = 0
+    cold = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+    cold.result()
+    worker.prompt_cache_gb = 4
+    mlx_notebook.generate(first, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget).result()
+    warm = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+    warm.result()
+    worker.prompt_cache_gb = 0
+    return {
+        "prompt_tokens": len(second),
+        "cached_tokens": warm.stats.cached_tokens,
+        "cold_ttft_s": cold.stats.ttft_s,
+        "warm_ttft_s": warm.stats.ttft_s,
+        "warm_over_cold": warm.stats.ttft_s / cold.stats.ttft_s,
+        "same_tokens": warm.tokens == cold.tokens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--synthetic", choices=sorted(SYNTHETIC))
+    ap.add_argument("--build-dir")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-length", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=mlx_notebook.DEFAULT_STOP_BUDGET_S)
+    ap.add_argument("--stop-rounds", type=int, default=20)
+    ap.add_argument("--join-length", type=int, default=2048)
+    ap.add_argument("--prefix-length", type=int, default=4000)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: solo,batch,stop,join,prefix")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    folder = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp())
+    worker, name, vocab, load_s = open_model(args.model, args.synthetic, 0, folder)
+    worker.prompt_cache_gb = 0  # repeated prompts must not hit the cache (but in the prefix part)
+    result: dict = {
+        "model": args.synthetic or args.model,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "batch": args.batch,
+        "budget": args.budget,
+        "command": " ".join(["python -m benchmarks.batching", *sys.argv[1:]]),
+    }
+    prompts = [prompt_ids(args.prompt_length, vocab, seed=i) for i in range(args.batch)]
+    n = args.decode_tokens
+    ours_batch(worker, name, prompts[:2], 8, args.budget)  # warm-up: kernels for both paths
+    mlx_lm_batch(worker, name, prompts[:2], 8)
+    if "solo" not in skip:
+        ours_solo, today = [], []
+        for r in range(args.repeats):
+            for who in ["ours", "today"] if r % 2 == 0 else ["today", "ours"]:
+                if who == "ours":
+                    ours_solo.append(solo_rows(worker, name, prompts[:1], n, args.budget)[0][0])
+                else:
+                    today.append(todays_engine(worker, name, prompts[0], n, args.budget)[0])
+        result["solo"] = {
+            "batch_of_one_tps": statistics.median(ours_solo),
+            "todays_engine_tps": statistics.median(today),
+            "ratio": statistics.median(ours_solo) / statistics.median(today),
+        }
+        print(json.dumps(result["solo"]), flush=True)
+        save(result, args.out)
+    if "batch" not in skip:
+        solo = solo_rows(worker, name, prompts, n, args.budget)
+        one_tps = statistics.median(s[0] for s in solo)
+        ours_tps, plain_tps, agree = [], [], []
+        for r in range(args.repeats):
+            for who in ["ours", "plain"] if r % 2 == 0 else ["plain", "ours"]:
+                if who == "ours":
+                    tps, tokens, _ = ours_batch(worker, name, prompts, n, args.budget)
+                    ours_tps.append(tps)
+                    agree.append(sum(t == s[1] for t, s in zip(tokens, solo)))
+                else:
+                    tps, _ = mlx_lm_batch(worker, name, prompts, n)
+                    plain_tps.append(tps)
+        ours_med, plain_med = statistics.median(ours_tps), statistics.median(plain_tps)
+        result["batched"] = {
+            "one_generation_tps": one_tps,
+            "ours_aggregate_tps": ours_med,
+            "mlx_lm_batchgenerator_tps": plain_med,
+            "over_one": ours_med / one_tps,
+            "over_mlx_lm": ours_med / plain_med,
+            "rows_equal_to_solo": f"{min(agree)}/{args.batch} (worst of {args.repeats})",
+        }
+        print(json.dumps(result["batched"]), flush=True)
+        save(result, args.out)
+    rng = random.Random(0)
+    if "stop" not in skip and args.stop_rounds:
+        lat = stop_one_rounds(worker, name, prompts, args.budget, args.stop_rounds, rng)
+        result["stop_one_of_batch_ms"] = {
+            "p50": 1000 * percentile(lat, 50),
+            "p99": 1000 * percentile(lat, 99),
+            "max": 1000 * max(lat),
+            "rounds": len(lat),
+        }
+        print(json.dumps(result["stop_one_of_batch_ms"]), flush=True)
+        save(result, args.out)
+    if "join" not in skip:
+        result["join"] = join_gap(
+            worker, name, prompts[: max(1, args.batch - 1)], prompt_ids(args.join_length, vocab, seed=99), args.budget
+        )
+        print(json.dumps(result["join"]), flush=True)
+        save(result, args.out)
+    if "prefix" not in skip:
+        result["prefix_reuse"] = prefix_reuse(worker, name, vocab, args.prefix_length, args.budget, 16)
+        print(json.dumps(result["prefix_reuse"]), flush=True)
+        save(result, args.out)
+    worker.shutdown()
+    if args.out:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
