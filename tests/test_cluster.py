@@ -145,6 +145,21 @@ def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
     print(f"\nstop latency: prefill {prefill_stop * 1000:.0f} ms (budget 20 ms), decode {decode_stop * 1000:.0f} ms")
 
 
+def test_qwen3_greedy_tokens_match_single_process(tmp_path, worker):
+    from testkit.real_tokenizer import make_real_model
+
+    folder = make_real_model(tmp_path / "qwen3", arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, vocab=1024)
+    local = worker.submit(GenerationRequest(PROMPT, model=str(folder), max_tokens=24))
+    local.result(120)
+    qwen3 = Cluster(LaunchSpec(str(folder), ranks=2)).start()
+    try:
+        gen = qwen3.submit(GenerationRequest(PROMPT, max_tokens=24))
+        gen.result(120)
+    finally:
+        qwen3.stop()
+    assert gen.tokens == local.tokens and len(gen.tokens) > 0
+
+
 def test_bad_inputs_are_one_line_errors(running, tmp_path):
     bad = tmp_path / "hosts.json"
     bad.write_text("{not json")
