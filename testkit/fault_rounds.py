@@ -326,7 +326,10 @@ class Campaign:
         )
 
     def _setup_kernel(self) -> None:
-        for code in ("%load_ext mlx_notebook", KERNEL_HELPERS):
+        # The rounds compare the widget's text with the handle's token by
+        # token: the plain-text widget shows exactly the text (the Markdown
+        # one ends as a rendered output; tests/test_markdown.py covers it).
+        for code in ("%load_ext mlx_notebook\n%config MLXGen.format = 'text'", KERNEL_HELPERS):
             reply = self.s.execute(code, timeout=120)
             assert reply.ok, reply.content
 

@@ -166,7 +166,7 @@ def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_p
             states.append(event.state)
             if event.state == "paused":
                 paused.set()
-        elif event.kind == "progress" and event.phase == "load" and 0 < event.done < event.total:
+        elif event.kind == "progress" and event.phase.startswith("load") and 0 < event.done < event.total:
             if not paused.is_set():
                 event.generation.pause()
 

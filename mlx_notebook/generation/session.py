@@ -182,7 +182,9 @@ class Session:
                 if self.loaded is None:
                     mx.reset_peak_memory()
                 loaded = self.store.get(
-                    gen.request.model, pace, progress=lambda done, total: reporter.progress("load", done, total)
+                    gen.request.model,
+                    pace,
+                    progress=lambda done, total, step: reporter.progress(f"load: {step}", done, total),
                 )
                 gen.stats.load_s = time.perf_counter() - start
                 if self.batch is None:

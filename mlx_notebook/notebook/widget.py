@@ -79,6 +79,10 @@ def status_line(gen: Generation, ended_by: str = "") -> str:
     s = gen.stats
     state = f"{gen.state}: {ended_by}" if ended_by else f"{gen.state}"
     parts = [f"#{gen.id} {state}", f"{s.generated_tokens} tokens"]
+    if s.cached_tokens:
+        parts.append(f"{s.cached_tokens:,} cached")
+    if s.batch_size > 1:
+        parts.append(f"batch {s.batch_size}")
     if s.generation_tps:
         parts.append(f"{s.generation_tps:.1f} tok/s")
     if s.ttft_s is not None:
