@@ -50,7 +50,9 @@ __all__ = [
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the folder convert_gguf writes changes, so stale caches are redone.
-CONVERSION_FORMAT = 2
+# (Folders of format 1, from mlx-notebook's own GGUF reader, hold the same weights
+# and tokenize the same: they stay valid.)
+CONVERSION_FORMAT = 1
 _MARKER = "mlx_notebook_gguf.json"
 _DIGESTS = "gguf-digests.json"
 
