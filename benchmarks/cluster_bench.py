@@ -22,6 +22,7 @@ What it measures, both sides on the same model folder, ranks and backend:
   of one 8-byte ``all_sum`` (what our agreement adds per checkpoint), and,
   since mlx-lm has no stop, what stopping costs there: ending the job (SIGTERM
   to the group until every rank is gone) plus loading the model again;
+* ours on one process (the local worker, one device), for the ratio ranks / one;
 * ratios ours / mlx-lm.
 
 EOS is ignored on both sides, so every run decodes ``--decode-tokens``.
@@ -85,61 +86,87 @@ def summary(values: list[float]) -> dict[str, float | int | None]:
 # -- ours ----------------------------------------------------------------------------------
 
 
-def measure_ours(folder: Path, args: argparse.Namespace, lengths: list[int], vocab: int) -> dict:
-    import mlx_notebook
+def measure_ours(folder: Path, args: argparse.Namespace, lengths: list[int], vocab: int, stops: int) -> dict:
+    """Our cluster: start it, measure every length, stop it."""
     from mlx_notebook import cluster
 
     os.environ["MLX_NOTEBOOK_CLUSTER_IGNORE_EOS"] = "1"
     t0 = time.perf_counter()
     running = cluster.start(str(folder), ranks=args.ranks, backend=args.backend, name="bench")
-    result: dict = {"start_s": time.perf_counter() - t0, "load_s": running.load_s, "lengths": {}}
-    rng = random.Random(1)
+    result: dict = {"start_s": time.perf_counter() - t0, "load_s": running.load_s}
     try:
-        for length in lengths:
-            ids = prompt_ids(length, vocab)
-            runs = []
-            for _ in range(args.warmup + args.repeats):
-                gen = mlx_notebook.generate(ids, model="bench", max_tokens=args.decode_tokens, stop_budget=args.budget)
-                gen.result(1800)
-                runs.append((gen.stats.prompt_tps, gen.stats.generation_tps, gen.stats.decode_in_flight))
-            runs = runs[args.warmup :]
-            prefill_tps = statistics.median(r[0] for r in runs)
-            decode_tps = statistics.median(r[1] for r in runs)
-            stops: dict[str, list[float]] = {"prefill": [], "decode": []}
-            for phase in ("prefill", "decode"):
-                for _ in range(args.stops):
-                    stops[phase].append(stop_once(ids, args, phase, length / prefill_tps, decode_tps, rng))
-            result["lengths"][str(length)] = {
-                "prefill_tps": prefill_tps,
-                "decode_tps": decode_tps,
-                "decode_in_flight": runs[-1][2],
-                "stop_s": {phase: summary(values) for phase, values in stops.items()},
-            }
-            print(f"ours {length}: {json.dumps(result['lengths'][str(length)])}", file=sys.stderr, flush=True)
+        result["lengths"] = measure_lengths("cluster", "bench", None, args, lengths, vocab, stops)
     finally:
         cluster.stop()
     return result
 
 
-def stop_once(ids: list[int], args: argparse.Namespace, phase: str, prefill_s: float, decode_tps: float, rng) -> float:
-    """Cancel one generation at a random moment of ``phase``; seconds from ``cancel()`` to ``wait()`` returning."""
+def measure_single(folder: Path, args: argparse.Namespace, lengths: list[int], vocab: int, stops: int) -> dict:
+    """The same model on one process (one device): the local worker, prompt cache off, EOS off."""
     import mlx_notebook
 
-    gen = mlx_notebook.generate(ids, model="bench", max_tokens=args.decode_tokens * 4, stop_budget=args.budget)
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    name = str(folder)
+    worker.load_model(name)
+    worker.call(lambda store: setattr(store.get(name).tokenizer, "eos_token_ids", []))
+    try:
+        return {"lengths": measure_lengths("single", name, worker, args, lengths, vocab, stops)}
+    finally:
+        worker.shutdown()
+
+
+def measure_lengths(
+    label: str, model: str, worker, args: argparse.Namespace, lengths: list[int], vocab: int, stops_per_phase: int
+) -> dict:
+    """Throughput (medians of ``--repeats``) and stop latencies of ``generate(model=...)`` per prompt length."""
+    import mlx_notebook
+
+    rng = random.Random(1)
+    results = {}
+
+    def start(ids: list[int], max_tokens: int):
+        return mlx_notebook.generate(ids, model=model, max_tokens=max_tokens, stop_budget=args.budget, worker=worker)
+
+    for length in lengths:
+        ids = prompt_ids(length, vocab)
+        runs = []
+        for _ in range(args.warmup + args.repeats):
+            gen = start(ids, args.decode_tokens)
+            gen.result(1800)
+            runs.append((gen.stats.prompt_tps, gen.stats.generation_tps, gen.stats.decode_in_flight))
+        runs = runs[args.warmup :]
+        prefill_tps = statistics.median(r[0] for r in runs)
+        decode_tps = statistics.median(r[1] for r in runs)
+        stops: dict[str, list[float]] = {"prefill": [], "decode": []}
+        for phase in ("prefill", "decode"):
+            for _ in range(stops_per_phase):
+                window = length / prefill_tps if phase == "prefill" else min(1.0, 3 * args.decode_tokens / decode_tps)
+                stops[phase].append(stop_once(start(ids, args.decode_tokens * 4), phase, window, rng))
+        results[str(length)] = {
+            "prefill_tps": prefill_tps,
+            "decode_tps": decode_tps,
+            "decode_in_flight": runs[-1][2],
+            "stop_s": {phase: summary(values) for phase, values in stops.items()},
+        }
+        print(f"{label} {length}: {json.dumps(results[str(length)])}", file=sys.stderr, flush=True)
+    return results
+
+
+def stop_once(gen, phase: str, window_s: float, rng) -> float:
+    """Cancel ``gen`` at a random moment of ``phase``; seconds from ``cancel()`` to ``wait()`` returning."""
     if phase == "prefill":
         while gen.state == "queued" and not gen.finished:
             time.sleep(0.001)
-        time.sleep(rng.uniform(0.0, 0.8 * prefill_s))
     else:
         while gen.stats.generated_tokens < 1 and not gen.finished:
             time.sleep(0.001)
-        time.sleep(rng.uniform(0.0, min(1.0, 0.8 * args.decode_tokens * 4 / decode_tps)))
+    time.sleep(rng.uniform(0.0, 0.8 * window_s))
     t0 = time.perf_counter()
     gen.cancel()
     gen.wait(60)
     seconds = time.perf_counter() - t0
     if gen.state != "stopped":
-        print(f"stop in {phase} found the generation {gen.state}", file=sys.stderr)
+        print(f"a stop in {phase} found the generation {gen.state}", file=sys.stderr)
     return seconds
 
 
@@ -163,13 +190,15 @@ def launch_reference(folder: Path, args: argparse.Namespace, lengths: list[int],
     )
 
 
-def measure_reference(folder: Path, args: argparse.Namespace, lengths: list[int]) -> dict:
+def measure_reference(folder: Path, args: argparse.Namespace, lengths: list[int], *, end_job: bool) -> dict:
     proc = launch_reference(folder, args, lengths)
     out, _ = proc.communicate(timeout=3600)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"mlx-lm's sharded generation failed ({proc.returncode}):\n{out[-3000:]}")
     result: dict = json.loads(lines[-1])
+    if not end_job:
+        return result
     # Stopping mlx-lm: end the job mid-decode; continuing means loading the model again.
     proc = launch_reference(folder, args, [lengths[0]], hold=True)
     assert proc.stdout is not None
@@ -185,6 +214,17 @@ def measure_reference(folder: Path, args: argparse.Namespace, lengths: list[int]
     result["end_job_s"] = time.perf_counter() - t0
     result["stop_and_reload_s"] = result["end_job_s"] + result["load_s"]
     return result
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Round 0's result, with each throughput the median over the rounds (the per-round values kept)."""
+    merged = json.loads(json.dumps(rounds[0]))
+    for length, entry in merged["lengths"].items():
+        for key in ("prefill_tps", "decode_tps"):
+            values = [r["lengths"][length][key] for r in rounds]
+            entry[key] = statistics.median(values)
+            entry[key + "_rounds"] = values
+    return merged
 
 
 def _group_alive(pgid: int) -> bool:
@@ -259,7 +299,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per length and side (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     ap.add_argument("--stops", type=int, default=10, help="stops per phase and length (default 10)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds alternating the sides (default 3)")
     ap.add_argument("--budget", type=float, default=0.1, help="our stop budget in seconds (default 0.1)")
+    ap.add_argument(
+        "--no-single",
+        dest="single",
+        action="store_false",
+        help="skip the single-process run of the same model (ratio ranks / one device)",
+    )
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--reference-rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
@@ -277,8 +324,16 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     folder = model_folder(args)
     vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 30000)
-    ours = measure_ours(folder, args, lengths, vocab)
-    ref = measure_reference(folder, args, lengths)
+    # Rounds alternate the sides, so that a machine whose load changes (a shared CPU) weighs on both alike.
+    runs: dict[str, list[dict]] = {"ours": [], "mlx_lm": [], "single": []}
+    for round_ in range(args.rounds):
+        stops = args.stops if round_ == 0 else 0
+        runs["ours"].append(measure_ours(folder, args, lengths, vocab, stops))
+        runs["mlx_lm"].append(measure_reference(folder, args, lengths, end_job=round_ == 0))
+        if args.single:
+            runs["single"].append(measure_single(folder, args, lengths, vocab, stops))
+    ours, ref = merge_rounds(runs["ours"]), merge_rounds(runs["mlx_lm"])
+    single = merge_rounds(runs["single"]) if args.single else None
     ratios = {}
     for length in map(str, lengths):
         o, r = ours["lengths"][length], ref["lengths"][length]
@@ -299,12 +354,22 @@ def main() -> None:
         "budget_s": args.budget,
         "decode_tokens": args.decode_tokens,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "device": str(mx.default_device()),
         "host": platform.node(),
         "ours": ours,
         "mlx_lm": ref,
         "ratio_ours_over_mlx_lm": ratios,
+        "single_process": single,
     }
+    if single is not None:
+        result["ratio_ranks_over_single"] = {
+            length: {
+                key: ours["lengths"][length][key] / single["lengths"][length][key]
+                for key in ("prefill_tps", "decode_tps")
+            }
+            for length in map(str, lengths)
+        }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -183,29 +183,30 @@ def test_bad_inputs_are_one_line_errors(running, tmp_path):
     print("\n" + "\n".join(messages))
 
 
-def test_rank_kill_fails_the_generation_then_restart(running, reference):
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["hang", "kill"])
+def test_rank_fault_fails_the_generation_then_restart(running, reference, fault):
     pgid = running.status().launcher_pid
     assert pgid is not None
     gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=5000)
     while gen.stats.generated_tokens < 5:
         assert not gen.finished
         time.sleep(0.005)
-    killed_at = time.monotonic()
-    os.kill(rank_pid(pgid, 1), signal.SIGKILL)
-    assert gen.wait(20)
-    detected = time.monotonic() - killed_at
+    faulted_at = time.monotonic()
+    os.kill(rank_pid(pgid, 1), fault)
+    assert gen.wait(30)
+    detected = time.monotonic() - faulted_at
     assert gen.state == "failed" and isinstance(gen.error, ClusterError)
     assert "\n" not in str(gen.error) and "restart" in str(gen.error)
     gone = wait_gone(pgid)
     assert cluster.status().state == "ended"  # type: ignore[union-attr]
     with pytest.raises(ClusterError):
-        running.submit(GenerationRequest(PROMPT, max_tokens=4))
+        mlx_notebook.generate(PROMPT, model=NAME, max_tokens=4)  # the cluster's name: "restart it"
 
     cluster.restart()
     after = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
     after.result(120)
     assert after.tokens == reference
-    print(f"\nrank kill: failed after {detected:.2f} s ({gen.error}); processes gone {gone:.2f} s later")
+    print(f"\nrank {fault.name}: failed after {detected:.2f} s ({gen.error}); processes gone {gone:.2f} s later")
 
 
 def test_script_exit_leaves_no_process(tiny_model):

@@ -8,8 +8,9 @@ drives the handle's :class:`~mlx_notebook.generation.handle.Reporter`, and
 the handle's stop / pause / resume travel to rank 0 at once.
 
 The client thread is also the watchdog: when the ranks end (a rank died:
-``mlx.launch`` ends the rest) or rank 0 goes silent for ``watchdog_s`` while a
-generation runs and is not paused (a rank hung inside a collective), every
+``mlx.launch`` ends the rest) or rank 0 goes silent for ``watchdog_s`` (it
+answers pings between any two pieces of work, idle or paused too: silence
+means a rank hung inside a collective), every
 unfinished generation fails with a one-line :class:`~.errors.ClusterError`
 and the cluster is ended; :meth:`Cluster.restart` brings it back. The kernel
 never waits on the ranks without a deadline.
@@ -47,7 +48,7 @@ from ..loading.names import resolve
 from ..text_enum import TextEnum
 from .errors import ClusterError
 from .launch import Launcher, LaunchSpec, command, model_folder
-from .protocol import PING_S, pack, unpack
+from .protocol import PING_S, ClusterStats, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +73,6 @@ class ClusterState(TextEnum):
     STARTING = "starting"
     READY = "ready"
     ENDED = "ended"  # stopped, or its ranks ended (a fault): restart() starts it again
-
-
-@dataclass
-class ClusterStats(GenerationStats):
-    """A cluster generation's stats: the local ones, plus where it ran.
-
-    Args:
-        ranks: How many ranks ran it. Default: ``0``.
-        backend: The MLX distributed backend. Default: ``""``.
-    """
-
-    ranks: int = 0
-    backend: str = ""
 
 
 @dataclass
@@ -165,8 +153,9 @@ class Cluster:
     Args:
         spec: What to launch.
         name: The model name generations ask for to run here. Default: ``spec.model``.
-        watchdog_s: Seconds rank 0 may be silent under a running, unpaused
-          generation before it fails and the cluster ends. Default: ``5.0``.
+        watchdog_s: Seconds rank 0 may be silent (it answers pings between
+          any two pieces of work) before the running generations fail and the
+          cluster ends. Default: ``5.0``.
         start_timeout_s: Seconds :meth:`start` waits for the ranks to load.
           Default: ``600``.
     """
@@ -284,8 +273,11 @@ class Cluster:
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` runs here (its name, or the same folder)."""
-        if model is None or not self.ready:
+        if model is None:
             return False
+        if not self.ready:
+            # A name only the cluster gives: say it ended rather than "model not found".
+            return model == self.name and self.name != self.spec.model
         if model == self.name or model == self.spec.model:
             return True
         try:
@@ -383,15 +375,16 @@ class Cluster:
             _live.discard(self)
 
     def _watch(self, now: float) -> bool:
-        """The watchdog: end the cluster when the ranks ended or rank 0 went silent under work."""
+        """The watchdog: end the cluster when the ranks ended or rank 0 went silent."""
         launcher = self.launcher
         assert launcher is not None
         if launcher.exit_code is not None:
             self._end(f"the ranks ended ({launcher.why_ended()})")
             return True
-        busy = any(r.generation.state is not State.PAUSED for r in self._reporters.values())
-        if busy and now - self._last_heard > self.watchdog_s:
-            self._end(f"rank 0 silent for {self.watchdog_s:.0f} s under a generation (a rank hung or died)")
+        # Rank 0 answers every ping within a piece of work, also while idle or paused
+        # (it agrees with the others every tick): silence means a rank hangs in a collective.
+        if self.state is ClusterState.READY and now - self._last_heard > self.watchdog_s:
+            self._end(f"rank 0 silent for {self.watchdog_s:.0f} s (a rank hung or died)")
             return True
         return False
 
@@ -457,6 +450,9 @@ class Cluster:
                 gen.stats.stop_latency_s = token.mark_stopped()
             error = ClusterError(str(msg["error"])) if state is State.FAILED else None
             reporter.finish(state, error)
+            if msg.get("lost"):
+                # A rank is gone: the group can run nothing more (mlx.launch is ending the rest).
+                self._end(str(msg["error"]))
 
 
 def _send_now(sock: Any, message: dict[str, Any]) -> None:
@@ -470,7 +466,7 @@ def _send_now(sock: Any, message: dict[str, Any]) -> None:
 
 
 def _update_stats(stats: GenerationStats, values: dict[str, Any]) -> None:
-    known = {f.name for f in fields(GenerationStats)}
+    known = {f.name for f in fields(stats)}
     for key, value in values.items():
         if key not in known or key in ("stop_latency_s",):
             continue

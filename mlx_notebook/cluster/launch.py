@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -183,10 +184,10 @@ class Launcher:
 
     def why_ended(self) -> str:
         """One line on how the ranks ended, from ``mlx.launch``'s own report."""
-        tail = self.log_tail(200).splitlines()
+        tail = re.sub(r"\x1b\[[0-9;]*m", "", self.log_tail(200)).splitlines()  # mlx.launch colours its lines
         for line in tail:
             if "Node with rank" in line:
-                return line.split("]", 1)[-1].strip().rstrip(".")
+                return line[line.index("Node with rank") :].strip().rstrip(".")
         return f"mlx.launch exited with status {self.exit_code}"
 
     def stop(self, timeout: float = 5.0) -> None:

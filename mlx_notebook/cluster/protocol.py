@@ -13,7 +13,8 @@ Rank 0 to kernel (``ev``): ``ready`` (``ranks``, ``backend``, ``model``,
 ``load_s``), ``failed_start`` (``error``), ``pong``, ``state`` (``id``,
 ``state``), ``progress`` (``id``, ``phase``, ``done``, ``total``),
 ``tokens`` (``id``, ``ids``, ``text``), ``stats`` (``id``, ``stats``),
-``finish`` (``id``, ``state``, ``error``).
+``finish`` (``id``, ``state``, ``error``, ``lost``: a rank is gone and the
+cluster can run nothing more).
 
 This module never imports IPython or ipywidgets.
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ..generation.stats import GenerationStats
 
 # Every ranks' idle loop meets in one collective this often (seconds): a
 # request waits at most this long before all ranks start it.
@@ -71,6 +74,23 @@ class Job:
     def decode(cls, data: bytes) -> Job:
         """The job from :meth:`encode`'s bytes."""
         return cls(**json.loads(data))
+
+
+@dataclass
+class ClusterStats(GenerationStats):
+    """A cluster generation's stats: the local ones, plus where it ran and what agreeing cost.
+
+    Args:
+        ranks: How many ranks ran it. Default: ``0``.
+        backend: The MLX distributed backend. Default: ``""``.
+        agreements: Checkpoints agreed by all ranks (one small ``all_sum`` each). Default: ``0``.
+        agreement_s: Seconds rank 0 spent in those collectives. Default: ``0.0``.
+    """
+
+    ranks: int = 0
+    backend: str = ""
+    agreements: int = 0
+    agreement_s: float = 0.0
 
 
 def pack(message: dict[str, Any]) -> bytes:

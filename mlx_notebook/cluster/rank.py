@@ -48,7 +48,7 @@ from ..generation.stats import GenerationStats
 from ..loading.names import ModelSource, SourceKind
 from ..loading.store import LoadedModel
 from .agreement import AgreedPace, broadcast_bytes, exchange
-from .protocol import IDLE_TICK_S, Job, Op, pack, unpack
+from .protocol import IDLE_TICK_S, ClusterStats, Job, Op, pack, unpack
 
 # Rank 0 ends the cluster when the kernel has been silent this long (it pings
 # every PING_S): the kernel froze or its machine went away.
@@ -171,10 +171,12 @@ class Inbox:
 class _RankSink:
     """The engine's sink on a rank: rank 0 tells the kernel, the others keep quiet."""
 
-    def __init__(self, inbox: Inbox | None, gen_id: int) -> None:
+    def __init__(self, inbox: Inbox | None, gen_id: int, group: Any, backend: str) -> None:
         self.inbox = inbox
         self.id = gen_id
-        self.stats = GenerationStats()
+        self.cluster_stats = ClusterStats(ranks=group.size(), backend=backend)
+        self.stats: GenerationStats = self.cluster_stats  # the engine's Sink protocol
+        self.pace: AgreedPace | None = None
         self.state = State.QUEUED
         self._tokens = 0
 
@@ -183,6 +185,9 @@ class _RankSink:
             self.inbox.send(id=self.id, **message)
 
     def send_stats(self) -> None:
+        if self.pace is not None:
+            self.cluster_stats.agreements = self.pace.collectives
+            self.cluster_stats.agreement_s = self.pace.collective_s
         self._send(ev="stats", stats={k: _plain(v) for k, v in asdict(self.stats).items()})
 
     def set_state(self, state: State) -> None:
@@ -201,9 +206,9 @@ class _RankSink:
             self.send_stats()
         self._send(ev="tokens", ids=token_ids, text=text)
 
-    def finish(self, state: State, error: str | None = None) -> None:
+    def finish(self, state: State, error: str | None = None, *, lost: bool = False) -> None:
         self.send_stats()
-        self._send(ev="finish", state=state.value, error=error)
+        self._send(ev="finish", state=state.value, error=error, lost=lost)
 
 
 def _plain(value: Any) -> Any:
@@ -235,12 +240,12 @@ def make_job(loaded: LoadedModel, msg: dict[str, Any]) -> Job:
     )
 
 
-def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> None:
+def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, backend: str) -> None:
     """Run ``job`` on this rank; rank 0 reports to the kernel."""
     from .steps import run_job
 
     token = CancelToken()
-    sink = _RankSink(inbox, job.id)
+    sink = _RankSink(inbox, job.id, group, backend)
     before = [State.PREFILLING]
 
     def on_pause() -> None:
@@ -260,6 +265,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> N
         poll=inbox.poll if inbox is not None else None,
         on_tick=(lambda: inbox.send(ev="pong")) if inbox is not None else None,
     )
+    sink.pace = pace
     if inbox is not None:
         inbox.current = (job.id, token)
     try:
@@ -274,7 +280,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> N
         line = text[0] if text else type(exc).__name__
         if _lost_a_rank(line):
             # The group is broken: nothing more can run on it (mlx.launch ends the rest).
-            sink.finish(State.FAILED, f"a rank was lost ({line}); restart the cluster")
+            sink.finish(State.FAILED, f"a rank was lost ({line}); restart the cluster", lost=True)
             raise RankLost(line) from None
         mx.synchronize()
         sink.finish(State.FAILED, line)
@@ -284,7 +290,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None) -> N
         mx.clear_cache()
 
 
-def serve(loaded: LoadedModel, group: Any, inbox: Inbox | None) -> None:
+def serve(loaded: LoadedModel, group: Any, inbox: Inbox | None, backend: str) -> None:
     """The ranks' shared loop: one header collective per tick, a job when rank 0 has one."""
     while True:
         op, payload = Op.NOOP, b""
@@ -304,7 +310,7 @@ def serve(loaded: LoadedModel, group: Any, inbox: Inbox | None) -> None:
             return
         if agreed == Op.JOB:
             job = Job.decode(broadcast_bytes(group, payload))
-            run_one(loaded, job, group, inbox)
+            run_one(loaded, job, group, inbox, backend)
 
 
 def _start_lifeline(kernel_pid: int | None, inbox: Inbox | None) -> None:
@@ -371,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             nbytes=loaded.nbytes,
         )
     try:
-        serve(loaded, group, inbox)
+        serve(loaded, group, inbox, args.backend)
     except RankLost as exc:
         print(f"rank {group.rank()}: {exc}", file=sys.stderr)
         return LOST_EXIT

@@ -56,8 +56,8 @@ def start(
         pipeline: Pipeline stages instead of tensor parallel. Default: ``False``.
         name: The model name generations use to run here. Default: ``model``.
         python: The interpreter on the other hosts. Default: this one's path.
-        watchdog_s: Seconds rank 0 may stay silent under a generation before
-          it fails and the cluster ends. Default: ``None`` (5 s).
+        watchdog_s: Seconds rank 0 may stay silent before the running
+          generations fail and the cluster ends. Default: ``None`` (5 s).
 
     Raises:
         ClusterError: One already runs, or the ranks could not start.
