@@ -565,6 +565,8 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
             "has shape [32, 64] but the metadata implies [16, 64]",
         ),
         ("moe", {"llama.expert_count": 8}, "mixture-of-experts"),
+        ("huge_ffn", {"llama.feed_forward_length": gw.typed(gw.UINT64, 2**40)}, "intermediate_size = 1099511627776"),
+        ("context_0", {"llama.context_length": 0}, "invalid metadata llama.context_length = 0"),
     ]:
         cases[name] = (_tiny_bytes(**meta)[0], expect)
     cfg = TinyConfig(layers=1)

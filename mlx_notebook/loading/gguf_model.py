@@ -33,6 +33,7 @@ _IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "sma
 # Pre-tokenizers that are GPT-2's own regex, which transformers' GPT-2 tokenizer applies.
 _GPT2_PRE = (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
 _GUARD = threading.Lock()
+_MAX_INT32 = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,9 @@ def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any
     for key, value in config.items():
         if isinstance(value, float):  # GGUF stores float32: write 1e-05, not 9.999999747378752e-06
             config[key] = float(str(np.float32(value)))
+        elif isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= _MAX_INT32:
+            # MLX shapes are int32: building the model would overflow.
+            raise ModelFormatError(f"{label}: invalid metadata ({key} = {value}; corrupt GGUF file); {FIX_DOWNLOAD}")
     embed = info.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelFormatError(f"{label}: missing tensor 'token_embd.weight' (incomplete GGUF file); {FIX_DOWNLOAD}")
@@ -152,7 +156,11 @@ def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any
     config["rope_traditional"] = tensor_processor is not None
     config["attention_bias"] = "blk.0.attn_q.bias" in info.tensors
     config["mlp_bias"] = "blk.0.ffn_up.bias" in info.tensors
-    config.setdefault("max_position_embeddings", 2048)
+    if config.setdefault("max_position_embeddings", 2048) < 1:  # else every prompt is "too long"
+        raise ModelFormatError(
+            f"{label}: invalid metadata {arch}.context_length = {config['max_position_embeddings']} "
+            f"(corrupt GGUF file); {FIX_DOWNLOAD}"
+        )
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
@@ -200,7 +208,7 @@ def _model_parameters(info: GGUFInfo, config: dict[str, Any]) -> dict[str, tuple
         raise ModelFormatError(
             f"{info.path.name}: mlx-lm has no '{model_type}' model for this GGUF file; {FIX_OTHER}"
         ) from None
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
         detail = " ".join(str(exc).split())[:160]
         raise ModelFormatError(
             f"{info.path.name}: its metadata does not describe a '{model_type}' model mlx-lm can build "
