@@ -190,33 +190,32 @@ class DecodeBatch:
         y = self._y
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
         nxt = None
-        if self.in_flight == 2 and any(continuing) and not self._changes_waiting():
-            # Queued before this token is read: the device works while Python
-            # detokenizes and reports.
+        queued = False
+        if any(continuing) and not self.ready:
+            # The next step's graph is built while the device computes ``y``
+            # (as mlx-lm does); it is queued before ``y`` is read only while
+            # two steps fit the budget (see the module's docstring).
             nxt = self._forward(y)
-            mx.async_eval(nxt)
+            if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
+                mx.async_eval(nxt)
+                queued = True
         tokens = cast(list[int], y.tolist())
         now = time.perf_counter()
         if self._last_read and self.steps:
             self._measure(now - self._last_read)
         self._last_read = now
         self.steps += 1
-        if (
-            nxt is None
-            and any(continuing)
-            and not self._changes_waiting()
-            and not any(t in r.eos for t, r in zip(tokens, self.rows))
-        ):
-            # Nothing changes the rows: queue the next step now, before the
-            # reporting, so the device idles only while it is encoded.
-            nxt = self._forward(y)
-            mx.async_eval(nxt)
+        if nxt is not None and not queued:
+            staying = [
+                more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
+            ]
+            if any(staying):
+                # A row goes on: queue the next step now, before the
+                # reporting, so the device idles only while it is encoded.
+                mx.async_eval(nxt)
         for row, tok, more in zip(self.rows, tokens, continuing):
             self._report(row, tok, more, now)
         self._change_rows(tokens, nxt)
-
-    def _changes_waiting(self) -> bool:
-        return bool(self.ready) or any(r.pace.requested for r in self.rows)
 
     def _report(self, row: Row, tok: int, more: bool, now: float) -> None:
         stats = row.sink.stats
@@ -264,6 +263,7 @@ class DecodeBatch:
                 nxt = None
         if nxt is not None:
             self._y = nxt
+            mx.async_eval(nxt)  # queued already unless every row was leaving
             return
         self._y = None
         for row, tok in zip(self.rows, tokens):
@@ -287,7 +287,9 @@ class DecodeBatch:
                     layer.trim(1)
             row.next_token = tok
             row.cache = single
-            mx.async_eval(batch_cache.state_arrays(single))
+            if single is not self._cache:
+                # A copy out of the batch's arrays: evaluate it so that it holds none of them.
+                mx.async_eval(batch_cache.state_arrays(single))
             row.paused_at = time.perf_counter()
             token.mark("pause")
             row.sink.set_state(State.PAUSED)
@@ -300,8 +302,8 @@ class DecodeBatch:
         if not self.rows:
             # Nothing may stay in flight when the last row is reported.
             mx.synchronize(self.stream)
-        if cache is not None:
-            # A copy out of the batch's arrays: evaluate it so it holds none of them.
+        if cache is not None and cache is not self._cache:
+            # A copy out of the batch's arrays: evaluate it so that it holds none of them.
             mx.async_eval(batch_cache.state_arrays(cache))
         row.finish = finish
         row.detokenizer.finalize()
