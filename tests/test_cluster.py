@@ -151,7 +151,13 @@ def test_qwen3_greedy_tokens_match_single_process(tmp_path, worker):
     folder = make_real_model(tmp_path / "qwen3", arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, vocab=1024)
     local = worker.submit(GenerationRequest(PROMPT, model=str(folder), max_tokens=24))
     local.result(120)
-    qwen3 = Cluster(LaunchSpec(str(folder), ranks=2)).start()
+    # A hostfile whose hosts are both this machine: the hostfile path, without ssh.
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(
+        '{"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]}'
+    )
+    qwen3 = Cluster(LaunchSpec(str(folder), hostfile=str(hosts))).start()
+    assert qwen3.spec.ranks == 2
     try:
         gen = qwen3.submit(GenerationRequest(PROMPT, max_tokens=24))
         gen.result(120)

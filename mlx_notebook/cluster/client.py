@@ -218,8 +218,13 @@ class Cluster:
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="mlx-notebook-cluster", daemon=True)
         self._thread.start()
         _live.add(self)
-        if not self._ready.wait(self.start_timeout_s):
-            self._end(f"the ranks did not load the model within {self.start_timeout_s:.0f} s")
+        try:
+            if not self._ready.wait(self.start_timeout_s):
+                self._end(f"the ranks did not load the model within {self.start_timeout_s:.0f} s")
+        except KeyboardInterrupt:  # "Interrupt kernel" while the ranks load: leave nothing running
+            self._end("start interrupted")
+            self._join()
+            raise
         if self.state is not ClusterState.READY:
             self._join()
             raise ClusterError(f"cluster did not start: {self.error}")

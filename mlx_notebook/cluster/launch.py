@@ -184,11 +184,17 @@ class Launcher:
 
     def why_ended(self) -> str:
         """One line on how the ranks ended, from ``mlx.launch``'s own report."""
-        tail = re.sub(r"\x1b\[[0-9;]*m", "", self.log_tail(200)).splitlines()  # mlx.launch colours its lines
-        for line in tail:
+        lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", self.log_tail(200)).splitlines()]
+        lines = [line for line in lines if line]  # mlx.launch colours its lines; those codes are gone above
+        # A rank's own one-line reason (see rank.py) says the most, then mlx.launch's report.
+        for line in lines:
+            if re.match(r"rank \d+: ", line):
+                return line
+        for line in lines:
             if "Node with rank" in line:
-                return line[line.index("Node with rank") :].strip().rstrip(".")
-        return f"mlx.launch exited with status {self.exit_code}"
+                return line[line.index("Node with rank") :].rstrip(".")
+        last = f": {lines[-1]}" if lines else ""
+        return f"mlx.launch exited with status {self.exit_code}{last}"
 
     def stop(self, timeout: float = 5.0) -> None:
         """Wait up to ``timeout`` for the ranks to end, then end the whole process group."""

@@ -59,6 +59,8 @@ ORPHAN_EXIT = 3
 LOAD_EXIT = 2
 # Exit status of a rank whose collective failed (another rank is gone).
 LOST_EXIT = 4
+# Exit status of a rank 0 that does not run on the kernel's host.
+WRONG_HOST_EXIT = 5
 # Set to "1" (benchmarks): generations ignore EOS, so every run decodes max_tokens.
 IGNORE_EOS_ENV = "MLX_NOTEBOOK_CLUSTER_IGNORE_EOS"
 # Stats travel with every this many tokens (and with every state change).
@@ -346,11 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--kernel-host", default=None, help="the kernel's hostname (the pid is watched there only)")
     args = parser.parse_args(argv)
+    same_host = args.kernel_host is None or args.kernel_host == socket.gethostname()
 
     group = mx.distributed.init(backend=args.backend, strict=args.backend != "any")
     leader = group.rank() == 0
+    if leader and not same_host:
+        # The kernel's socket listens on its own host only.
+        print(
+            f"rank 0: runs on {socket.gethostname()} but the kernel on {args.kernel_host}: "
+            "make the kernel's machine the first host of the hostfile",
+            file=sys.stderr,
+        )
+        return WRONG_HOST_EXIT
     inbox = Inbox(args.connect) if leader else None
-    same_host = args.kernel_host is None or args.kernel_host == socket.gethostname()
     _start_lifeline(args.kernel_pid if same_host else None, inbox)
     try:
         loaded = load_shard(Path(args.model), group, pipeline=args.pipeline)
