@@ -8,8 +8,9 @@ before a token is read. On one process that is fine; over ranks it is a
 deadlock, since a sharded forward pass runs collectives: chunks of 64 tokens
 on one rank and 96 on another never meet. Here the same planners run on rank
 0 only, and their choice travels in the checkpoint's own collective
-(:meth:`.agreement.AgreedPace.agree`), so every rank runs the same shapes,
-queues the same steps and stops, pauses or resumes at the same boundary.
+(:meth:`.agreement.AgreedPace.agree`); decode queues the same steps on every
+rank whatever its clock says. So every rank runs the same shapes and stops,
+pauses or resumes at the same boundary.
 
 This module never imports IPython or ipywidgets.
 """
@@ -22,7 +23,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ..generation.chunks import ChunkPlanner, builds_kernels_per_shape
-from ..generation.engine import BUDGET_SHARE, DECODE_BUDGET_SHARE, STEP_EMA, Sink
+from ..generation.engine import BUDGET_SHARE, STEP_EMA, Sink
 from ..generation.pieces import LayerRunner, prefill_runner
 from ..generation.request import GenerationRequest
 from ..generation.sampling import make_sampler
@@ -91,9 +92,13 @@ def decode(
 ) -> FinishReason:
     """Generate token by token, with one agreement per token.
 
-    Whether the next step is queued before the current token is read (two
-    steps in flight, as mlx-lm does) is rank 0's choice, agreed at the
-    previous token, so a stop finds the same steps queued on every rank.
+    Step ``n + 1`` is queued as soon as token ``n`` is read, and the graph of
+    step ``n + 2`` is built while it runs; then the ranks agree. The
+    agreement's collective runs on the same stream, after step ``n + 1``, so
+    it returns once that step is done on every rank: the device idles only
+    for the collective's round trip, and a stop or pause finds exactly one
+    finished step and nothing queued, the same on every rank (a stop waits
+    for at most one step plus one collective).
     """
     model = loaded.model
     request = GenerationRequest(
@@ -105,6 +110,7 @@ def decode(
     if detokenizer is not None:
         detokenizer.reset()
     stats = sink.stats
+    stats.decode_in_flight = 1
 
     def step(inputs: mx.array) -> mx.array:
         logits = model(inputs[None], cache=cache)[:, -1, :]
@@ -112,17 +118,15 @@ def decode(
 
     y = step(mx.array(job.prompt[-1:], dtype=mx.uint32))
     mx.async_eval(y)
-    in_flight = 1
+    next_y = step(y) if job.max_tokens > 1 else None
     first_at: float | None = None
     last_at = 0.0
     finish = FinishReason.LENGTH
     n = 0
     while True:
-        next_y = step(y) if n + 1 < job.max_tokens else None
-        queued = next_y is not None and in_flight == 2
-        if queued:
-            mx.async_eval(next_y)
         tok = cast(int, y.item())
+        if next_y is not None:
+            mx.async_eval(next_y)
         now = time.perf_counter()
         n += 1
         if first_at is None:
@@ -135,6 +139,7 @@ def decode(
             seconds = now - last_at
             prev = stats.decode_step_s
             stats.decode_step_s = seconds if prev is None else (1 - STEP_EMA) * prev + STEP_EMA * seconds
+            stats.budget_below_step = stats.decode_step_s > pace.budget_s
         last_at = now
         if tok in eos:
             finish = FinishReason.EOS
@@ -149,14 +154,9 @@ def decode(
             break
         if n % 256 == 0:
             mx.clear_cache()
-        step_s = stats.decode_step_s
-        proposal = 2 if step_s is not None and 2 * step_s <= DECODE_BUDGET_SHARE * pace.budget_s else 1
-        in_flight = pace.agree(proposal if pace.leader else 0)
-        stats.decode_in_flight = in_flight
-        stats.budget_below_step = step_s is not None and step_s > pace.budget_s
-        if not queued:
-            mx.async_eval(next_y)
-        y = next_y
+        following = step(next_y) if n + 2 <= job.max_tokens else None
+        pace.agree()
+        y, next_y = next_y, following
     if detokenizer is not None:
         detokenizer.finalize()
         if detokenizer.last_segment:
