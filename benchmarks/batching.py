@@ -24,6 +24,7 @@ What it measures (EOS off, so every run decodes the same number of tokens):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -155,6 +156,24 @@ def stop_one_rounds(worker, name, prompts, budget, rounds, rng):
     return latencies
 
 
+class GcPauses:
+    """Longest Python garbage collection while the block runs (it holds the GIL: a gap for every thread)."""
+
+    def __enter__(self):
+        self.longest, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.longest = max(self.longest, time.perf_counter() - self._t0)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+
+
 def join_gap(worker, name, prompts, join_ids, budget):
     """Others' longest inter-token gap while a long prompt prefills and joins."""
     gens = [
@@ -162,10 +181,11 @@ def join_gap(worker, name, prompts, join_ids, budget):
     ]
     clock = TokenClock(gens)
     wait_decoding(gens, 8)
-    joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
-    t_join = time.perf_counter()
-    joiner.result()
-    t_end = time.perf_counter()
+    with GcPauses() as pauses:
+        joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
+        t_join = time.perf_counter()
+        joiner.result()
+        t_end = time.perf_counter()
     for g in gens:
         g.cancel()
     for g in gens:
@@ -181,6 +201,8 @@ def join_gap(worker, name, prompts, join_ids, budget):
         "join_length": len(join_ids),
         "joiner_prefill_s": joiner.stats.ttft_s,
         "others_max_gap_ms": 1000 * max(gaps),
+        "others_p99_gap_ms": 1000 * percentile(gaps, 99),
+        "longest_gc_ms": 1000 * pauses.longest,
         "others_step_ms": 1000 * step,
         "budget_plus_2_steps_ms": 1000 * (budget + 2 * step),
     }
@@ -257,16 +279,18 @@ def main() -> None:
     if "batch" not in skip:
         solo = solo_rows(worker, name, prompts, n, args.budget)
         one_tps = statistics.median(s[0] for s in solo)
-        ours_tps, plain_tps, agree = [], [], []
+        ours_tps, plain_tps, agree, ours_wall, plain_wall = [], [], [], [], []
         for r in range(args.repeats):
             for who in ["ours", "plain"] if r % 2 == 0 else ["plain", "ours"]:
                 if who == "ours":
-                    tps, tokens, _ = ours_batch(worker, name, prompts, n, args.budget)
+                    tps, tokens, wall = ours_batch(worker, name, prompts, n, args.budget)
                     ours_tps.append(tps)
+                    ours_wall.append(wall)
                     agree.append(sum(t == s[1] for t, s in zip(tokens, solo)))
                 else:
-                    tps, _ = mlx_lm_batch(worker, name, prompts, n)
+                    tps, _, wall = mlx_lm_batch(worker, name, prompts, n)
                     plain_tps.append(tps)
+                    plain_wall.append(wall)
         ours_med, plain_med = statistics.median(ours_tps), statistics.median(plain_tps)
         result["batched"] = {
             "one_generation_tps": one_tps,
@@ -274,6 +298,8 @@ def main() -> None:
             "mlx_lm_batchgenerator_tps": plain_med,
             "over_one": ours_med / one_tps,
             "over_mlx_lm": ours_med / plain_med,
+            "ours_wall_s": statistics.median(ours_wall),
+            "mlx_lm_wall_s": statistics.median(plain_wall),
             "rows_equal_to_solo": f"{min(agree)}/{args.batch} (worst of {args.repeats})",
         }
         print(json.dumps(result["batched"]), flush=True)

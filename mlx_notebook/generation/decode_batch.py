@@ -135,6 +135,8 @@ class DecodeBatch:
         self.in_flight = 1
         self._last_read = 0.0
         self.steps = 0
+        # When the last step's tokens were read (time.perf_counter).
+        self.last_step_at = 0.0
 
     # -- membership -----------------------------------------------------------
 
@@ -203,7 +205,7 @@ class DecodeBatch:
         now = time.perf_counter()
         if self._last_read and self.steps:
             self._measure(now - self._last_read)
-        self._last_read = now
+        self._last_read = self.last_step_at = now
         self.steps += 1
         if nxt is not None and not queued:
             staying = [

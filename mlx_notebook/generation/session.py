@@ -236,8 +236,20 @@ class Session:
         return self.batch is not None and bool(self.batch.rows)
 
     def _between(self) -> None:
-        """At a prefill piece boundary: one decode step of the others."""
-        if self.batch is not None and self.batch.has_work():
+        """At a prefill piece boundary: one decode step of the others, when they need one.
+
+        Only for rows that stream already: rows still waiting for their first
+        token (generations submitted together) wait until the prompts queued
+        with them are prefilled, then all start decoding together, as
+        mlx-lm's batch generator does. And at most one step per half budget:
+        pieces are sized to the budget, so the others' longest gap between
+        two tokens stays about one budget plus one step.
+        """
+        batch = self.batch
+        if batch is None or not any(r.first_token_at is not None for r in batch.rows):
+            return
+        budget = min(r.pace.budget_s for r in batch.rows)
+        if time.perf_counter() - batch.last_step_at >= budget / 2:
             self._step()
 
     def _while_paused(self) -> None:
