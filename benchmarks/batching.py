@@ -24,6 +24,7 @@ What it measures (EOS off, so every run decodes the same number of tokens):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -174,14 +175,59 @@ class GcPauses:
         gc.callbacks.remove(self._cb)
 
 
-def join_gap(worker, name, prompts, join_ids, budget):
+class Trace:
+    """What the worker did between two batch steps (``--trace``): wraps a few library calls."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str]] = []
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+        events = self.events
+
+        def traced(*args, **kwargs):
+            events.append((time.perf_counter(), label + ">"))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                events.append((time.perf_counter(), label + "<"))
+
+        setattr(owner, attr, traced)
+        self._undo.append((owner, attr, original))
+
+    def __enter__(self):
+        from mlx_notebook.generation import batch_cache, decode_batch, engine, pieces, session
+
+        self.wrap(decode_batch.DecodeBatch, "step", "step")
+        self.wrap(decode_batch.DecodeBatch, "_admit", "admit")
+        self.wrap(pieces.LayerRunner, "run", "chunk")
+        self.wrap(pieces.ChunkRunner, "run", "chunk")
+        self.wrap(pieces.LayerRunner, "_hook", "hook")
+        self.wrap(session.Session, "_between", "between")
+        self.wrap(engine.mx, "clear_cache", "clear_cache")
+        self.wrap(session, "prepare_prompt", "prepare")
+        self.wrap(batch_cache, "extend", "extend")
+        self.wrap(session.Session, "_keep_prefix", "keep_prefix")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+    def around(self, t0: float, t1: float) -> list[str]:
+        return [f"{1000 * (t - t0):+.1f} {label}" for t, label in self.events if t0 - 0.001 <= t <= t1 + 0.001]
+
+
+def join_gap(worker, name, prompts, join_ids, budget, trace=False):
     """Others' longest inter-token gap while a long prompt prefills and joins."""
     gens = [
         mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
     ]
     clock = TokenClock(gens)
     wait_decoding(gens, 8)
-    with GcPauses() as pauses:
+    tracer = Trace()
+    with GcPauses() as pauses, (tracer if trace else contextlib.nullcontext()):
         joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
         t_join = time.perf_counter()
         joiner.result()
@@ -190,13 +236,17 @@ def join_gap(worker, name, prompts, join_ids, budget):
         g.cancel()
     for g in gens:
         g.wait()
-    gaps, steps = [], []
+    gaps, steps, spans = [], [], []
     for g in gens:
         t = clock.times[g.id]
         before = [b - a for a, b in zip(t, t[1:]) if b < t_join]
         steps += before[-8:]
         gaps += [b - a for a, b in zip(t, t[1:]) if b >= t_join and a <= t_end]
+        spans += [(b - a, a, b) for a, b in zip(t, t[1:]) if b >= t_join and a <= t_end]
     step = statistics.median(steps)
+    if trace:
+        _, a, b = max(spans)
+        print("longest gap:", " | ".join(tracer.around(a, b)), flush=True)
     return {
         "join_length": len(join_ids),
         "joiner_prefill_s": joiner.stats.ttft_s,
@@ -243,6 +293,7 @@ def main() -> None:
     ap.add_argument("--join-length", type=int, default=2048)
     ap.add_argument("--prefix-length", type=int, default=4000)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: solo,batch,stop,join,prefix")
+    ap.add_argument("--trace", action="store_true", help="print what the worker did in the longest join gap")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -317,7 +368,12 @@ def main() -> None:
         save(result, args.out)
     if "join" not in skip:
         result["join"] = join_gap(
-            worker, name, prompts[: max(1, args.batch - 1)], prompt_ids(args.join_length, vocab, seed=99), args.budget
+            worker,
+            name,
+            prompts[: max(1, args.batch - 1)],
+            prompt_ids(args.join_length, vocab, seed=99),
+            args.budget,
+            trace=args.trace,
         )
         print(json.dumps(result["join"]), flush=True)
         save(result, args.out)

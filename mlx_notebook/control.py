@@ -219,6 +219,10 @@ class Pace:
           worker runs other generations' decode steps there, between this
           one's pieces. Default: ``None``.
         while_paused: See :meth:`CancelToken.checkpoint`. Default: ``None``.
+        shared: Whether other generations stream between this one's pieces
+          now: a piece then finishes its device work before the checkpoint,
+          so that their step does not also wait for work queued behind it.
+          Default: ``None`` (never).
     """
 
     token: CancelToken
@@ -227,6 +231,7 @@ class Pace:
     on_resume: Hook | None = None
     between: Hook | None = None
     while_paused: Hook | None = None
+    shared: Callable[[], bool] | None = None
 
     @property
     def requested(self) -> bool:

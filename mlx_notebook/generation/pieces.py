@@ -136,7 +136,10 @@ class LayerRunner:
             return
         mx.async_eval(hidden)
         self._in_flight.append(hidden)
-        while len(self._in_flight) > self.max_in_flight:
+        # Others' decode step may run in the checkpoint: it would wait for
+        # every group queued before it, so then none stays queued.
+        keep = 0 if self.pace.shared is not None and self.pace.shared() else self.max_in_flight
+        while len(self._in_flight) > keep:
             mx.eval(self._in_flight.pop(0))
         # The checkpoint may run other generations' decode steps (and a pause
         # blocks in it): they see the real layers, and their time and the

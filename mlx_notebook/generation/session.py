@@ -172,6 +172,7 @@ class Session:
             on_resume=hooks.on_resume,
             between=self._between,
             while_paused=self._while_paused,
+            shared=self._streaming,
         )
         start = time.perf_counter()
         cache: Cache | None = None
@@ -232,6 +233,10 @@ class Session:
 
     # -- checkpoints of a prefilling generation ----------------------------------------
 
+    def _streaming(self) -> bool:
+        """Whether rows stream tokens now (have shown their first)."""
+        return self.batch is not None and any(r.first_token_at is not None for r in self.batch.rows)
+
     def _decoding(self) -> bool:
         return self.batch is not None and bool(self.batch.rows)
 
@@ -246,7 +251,7 @@ class Session:
         two tokens stays about one budget plus one step.
         """
         batch = self.batch
-        if batch is None or not any(r.first_token_at is not None for r in batch.rows):
+        if batch is None or not self._streaming():
             return
         budget = min(r.pace.budget_s for r in batch.rows)
         if time.perf_counter() - batch.last_step_at >= budget / 2:
