@@ -45,9 +45,10 @@ def broadcast_bytes(group: Any, data: bytes | None) -> bytes:
     (size,) = exchange(group, [len(data or b"") if leader else 0])
     if size == 0:
         return b""
+    # One int32 per byte: int32 sums are what every backend reduces (ring, mpi, jaccl, nccl).
     local = np.frombuffer(data, dtype=np.uint8) if leader and data else np.zeros(size, dtype=np.uint8)
-    total = mx.distributed.all_sum(mx.array(local), group=group)
-    return bytes(np.array(total, copy=False).astype(np.uint8))
+    total = mx.distributed.all_sum(mx.array(local.astype(np.int32)), group=group)
+    return bytes(np.array(total).astype(np.uint8))
 
 
 @dataclass
