@@ -8,7 +8,9 @@ Example::
     print(gen.result(timeout=120))     # or gen.cancel() at any moment
     print(gen.stats)
 
-In IPython or Jupyter, ``%load_ext mlx_notebook`` adds the ``%%mlxgen`` magic.
+A conversation: ``chat = mlx_notebook.Chat(); chat.send("Hi").result()``.
+In IPython or Jupyter, ``%load_ext mlx_notebook`` adds the ``%%mlxgen`` and
+``%%mlxchat`` magics.
 
 The package is cut by layer (``docs/architecture.md``): :mod:`.control` (the
 cancel token and the pace), :mod:`.loading` (names, the model store, loading
@@ -28,6 +30,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from ._version import __version__
+from .chat import Chat, ChatBusyError
 from .control import DEFAULT_STOP_BUDGET_S, Cancelled, CancelToken, Pace
 from .errors import (
     InvalidArgumentError,
@@ -116,6 +119,8 @@ __all__ = [
     "Batch",
     "Cancelled",
     "CancelToken",
+    "Chat",
+    "ChatBusyError",
     "FinishReason",
     "Generation",
     "GenerationEvent",
