@@ -42,7 +42,7 @@ from ..control import Pace
 from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
-from .engine import Sink
+from .handle import Reporter, TokenLogprobs
 from .request import GenerationRequest
 from .sampling import Sampler, make_sampler
 from .states import State
@@ -73,7 +73,7 @@ class Row:
         prefill_start: When its prefill started.
     """
 
-    sink: Sink
+    sink: Reporter
     pace: Pace
     request: GenerationRequest
     prompt: list[int]
@@ -90,9 +90,23 @@ class Row:
     paused_at: float | None = None
     paused_s: float = 0.0
     finish: FinishReason | None = None
+    # Text held back because it may be the start of a stop string.
+    held: str = ""
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
+
+    def context(self, pending: mx.array | None) -> mx.array:
+        """The last tokens before the one a step predicts, for the logits processors.
+
+        ``pending`` is the step's input when it is not read yet (a step built
+        before the previous one's tokens were read); otherwise the input is
+        the last read token (or the prompt's last).
+        """
+        n = self.sample.context
+        known = (self.prompt + self.tokens)[-n:]
+        tokens = mx.array(known, dtype=mx.uint32)
+        return tokens if pending is None else mx.concatenate([tokens, pending])[-n:]
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +115,23 @@ class Row:
     def fed_tokens(self) -> list[int]:
         """The tokens its cache holds, in order (prompt, then generated)."""
         return self.prompt + self.tokens
+
+
+@dataclass
+class _Step:
+    """One built decode step: a token per row and, for rows that keep them, log-probabilities."""
+
+    tokens: mx.array
+    # Per row: (the sampled token's log-probability, the top ids, their log-probabilities), or None.
+    logprobs: list[tuple[mx.array, mx.array, mx.array] | None]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.tokens] + [a for entry in self.logprobs if entry is not None for a in entry]
+
+    def rows(self, keep: list[int]) -> _Step:
+        if len(keep) == len(self.logprobs):
+            return self
+        return _Step(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep])
 
 
 class DecodeBatch:
@@ -129,8 +160,8 @@ class DecodeBatch:
         self.parked: list[Row] = []  # paused outside the batch
         self._cache: Cache = []
         self._pads: list[int] = []
-        # Tokens computed by the last step, one per row, not read yet.
-        self._y: mx.array | None = None
+        # The last step built: its tokens (one per row) are not read yet.
+        self._y: _Step | None = None
         self.step_s: float | None = None
         self.in_flight = 1
         self._last_read = 0.0
@@ -188,7 +219,7 @@ class DecodeBatch:
             if not self.rows:
                 return
             self._y = self._forward([r.next_token for r in self.rows])
-            mx.async_eval(self._y)
+            mx.async_eval(self._y.arrays())
         y = self._y
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
         nxt = None
@@ -197,11 +228,11 @@ class DecodeBatch:
             # The next step's graph is built while the device computes ``y``
             # (as mlx-lm does); it is queued before ``y`` is read only while
             # two steps fit the budget (see the module's docstring).
-            nxt = self._forward(y)
+            nxt = self._forward(y.tokens)
             if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
-                mx.async_eval(nxt)
+                mx.async_eval(nxt.arrays())
                 queued = True
-        tokens = cast(list[int], y.tolist())
+        tokens = cast(list[int], y.tokens.tolist())
         now = time.perf_counter()
         if self._last_read and self.steps:
             self._measure(now - self._last_read)
@@ -214,12 +245,19 @@ class DecodeBatch:
             if any(staying):
                 # A row goes on: queue the next step now, before the
                 # reporting, so the device idles only while it is encoded.
-                mx.async_eval(nxt)
-        for row, tok, more in zip(self.rows, tokens, continuing):
-            self._report(row, tok, more, now)
+                mx.async_eval(nxt.arrays())
+        for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
+            self._report(row, tok, more, now, y.logprobs[i])
         self._change_rows(tokens, nxt)
 
-    def _report(self, row: Row, tok: int, more: bool, now: float) -> None:
+    def _report(
+        self,
+        row: Row,
+        tok: int,
+        more: bool,
+        now: float,
+        logprobs: tuple[mx.array, mx.array, mx.array] | None,
+    ) -> None:
         stats = row.sink.stats
         row.tokens.append(tok)
         if row.first_token_at is None:
@@ -231,6 +269,10 @@ class DecodeBatch:
         if tok in row.eos:
             row.finish = FinishReason.EOS
             return
+        if logprobs is not None:
+            chosen, top_ids, top_values = (a.tolist() for a in logprobs)
+            top = sorted(zip(cast(list[int], top_ids), cast(list[float], top_values)), key=lambda p: -p[1])
+            row.sink.add_logprobs(TokenLogprobs(tok, cast(float, chosen), top))
         row.detokenizer.add_token(tok)
         n = len(row.tokens)
         stats.generated_tokens = n
@@ -240,11 +282,29 @@ class DecodeBatch:
             stats.generation_tps = (n - 1) / max(active, 1e-9)
         if n % 32 == 1:
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        row.sink.emit([tok], row.detokenizer.last_segment)
-        if not more:
+        self._emit(row, [tok], row.detokenizer.last_segment)
+        if not more and row.finish is None:
             row.finish = FinishReason.LENGTH
 
-    def _change_rows(self, tokens: list[int], nxt: mx.array | None) -> None:
+    def _emit(self, row: Row, token_ids: list[int], text: str) -> None:
+        """Report text, holding back what may be the start of a stop string; end the row at one."""
+        stops = row.request.stop
+        if not stops:
+            row.sink.emit(token_ids, text)
+            return
+        text = row.held + text
+        hits = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        if hits:
+            row.held = ""
+            row.sink.emit(token_ids, text[: min(hits)])
+            row.finish = FinishReason.STOP_STRING
+            return
+        # The longest end of the text that begins some stop string waits for the next token.
+        keep = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        row.held = text[len(text) - keep :] if keep else ""
+        row.sink.emit(token_ids, text[: len(text) - keep])
+
+    def _change_rows(self, tokens: list[int], nxt: _Step | None) -> None:
         """Drop finished, stopped and paused rows; admit the ready ones; queue the next step."""
         leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
         if leaving:
@@ -258,14 +318,14 @@ class DecodeBatch:
             if keep:
                 self._keep(keep)
                 if nxt is not None:
-                    nxt = nxt[mx.array(keep)] if len(keep) < len(tokens) else nxt
+                    nxt = nxt.rows(keep)
                 tokens = [tokens[i] for i in keep]
             else:
                 self._cache, self._pads, self.rows = [], [], []
                 nxt = None
         if nxt is not None:
             self._y = nxt
-            mx.async_eval(nxt)  # queued already unless every row was leaving
+            mx.async_eval(nxt.arrays())  # queued already unless every row was leaving
             return
         self._y = None
         for row, tok in zip(self.rows, tokens):
@@ -273,9 +333,9 @@ class DecodeBatch:
         if self.rows or self.ready:
             self._admit()
             self._y = self._forward([r.next_token for r in self.rows])
-            mx.async_eval(self._y)
+            mx.async_eval(self._y.arrays())
 
-    def _take_out(self, row: Row, index: int, nxt: mx.array | None, tok: int) -> None:
+    def _take_out(self, row: Row, index: int, nxt: _Step | None, tok: int) -> None:
         """Row ``index`` leaves: parked (pause) or ended (done, stop)."""
         single = self._cache if len(self.rows) == 1 else batch_cache.extract(self._cache, self._pads, index)
         token = row.pace.token
@@ -308,10 +368,15 @@ class DecodeBatch:
             # A copy out of the batch's arrays: evaluate it so that it holds none of them.
             mx.async_eval(batch_cache.state_arrays(cache))
         row.finish = finish
-        row.detokenizer.finalize()
-        tail = row.detokenizer.last_segment
-        if tail:
-            row.sink.emit([], tail)
+        if finish is not FinishReason.STOP_STRING:
+            row.detokenizer.finalize()
+            tail = row.detokenizer.last_segment
+            if tail:
+                self._emit(row, [], tail)
+            if row.finish is not FinishReason.STOP_STRING and row.held:
+                row.sink.emit([], row.held)
+            row.held = ""
+            finish = row.finish
         stats = row.sink.stats
         stats.finish_reason = finish
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -363,18 +428,44 @@ class DecodeBatch:
 
     # -- the model -------------------------------------------------------------------
 
-    def _forward(self, inputs: list[int] | mx.array) -> mx.array:
-        """Build one decode step for every row; return the sampled tokens (lazy)."""
+    def _forward(self, inputs: list[int] | mx.array) -> _Step:
+        """Build one decode step for every row (lazy).
+
+        ``inputs`` is a list of read tokens, or the previous step's tokens
+        before they are read (a step built while the device computes that one).
+        """
+        pending = isinstance(inputs, mx.array)
         if not isinstance(inputs, mx.array):
             inputs = mx.array(inputs, dtype=mx.uint32)
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
+        if any(r.sample.processors for r in self.rows):
+            # mlx-lm's logits processors (bias, repetition penalty), row by row, on the row's context.
+            logits = mx.concatenate(
+                [
+                    r.sample.process(r.context(inputs[i : i + 1] if pending else None), logits[i : i + 1])
+                    if r.sample.processors
+                    else logits[i : i + 1]
+                    for i, r in enumerate(self.rows)
+                ]
+            )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if len(self.rows) == 1:
-            return self.rows[0].sample(logprobs)
-        if all(r.greedy for r in self.rows):
-            return mx.argmax(logprobs, axis=-1)
-        # Each row samples with its own key, split once per token as when solo.
-        return mx.concatenate([r.sample(logprobs[i : i + 1]) for i, r in enumerate(self.rows)])
+            tokens = self.rows[0].sample(logprobs)
+        elif all(r.greedy for r in self.rows):
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            # Each row samples with its own key, split once per token as when solo.
+            tokens = mx.concatenate([r.sample(logprobs[i : i + 1]) for i, r in enumerate(self.rows)])
+        kept: list[tuple[mx.array, mx.array, mx.array] | None] = []
+        for i, r in enumerate(self.rows):
+            k = min(r.request.logprobs, logprobs.shape[-1])
+            if not k:
+                kept.append(None)
+                continue
+            row_lp = logprobs[i]
+            top = mx.argpartition(-row_lp, k - 1)[:k]
+            kept.append((row_lp[tokens[i]], top, row_lp[top]))
+        return _Step(tokens, kept)
 
     def _measure(self, seconds: float) -> None:
         """Update the step time and choose how many steps to keep in flight."""

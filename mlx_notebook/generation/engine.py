@@ -24,6 +24,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 
 from ..control import Pace
+from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel, ModelStore
 from .chunks import ChunkPlanner, builds_kernels_per_shape
 from .pieces import prefill_runner
@@ -77,6 +78,11 @@ class Engine:
             MLXNotebookError: Bad input found while preparing.
             RuntimeError: An MLX error.
         """
+        if request.stop or request.logprobs or make_sampler(request).processors:
+            raise InvalidArgumentError(
+                "Engine.run is the one-generation loop from before batching: it has no stop strings, "
+                "log-probabilities or logits processors; submit the request to a Worker"
+            )
         start = time.perf_counter()
         mx.reset_peak_memory()
         with mx.stream(self.stream):

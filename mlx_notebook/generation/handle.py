@@ -53,6 +53,23 @@ class GenerationEvent:
 Listener = Callable[[GenerationEvent], None]
 
 
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely alternatives at its step.
+
+    Args:
+        token: The token id.
+        logprob: Its log-probability (after logit bias and repetition
+          penalty, before temperature and the top-p / min-p / top-k filters,
+          as mlx-lm reports it).
+        top: ``(token_id, logprob)`` of the most likely tokens, most likely first.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class Generation:
     """A handle on one queued, running or finished generation.
 
@@ -82,6 +99,7 @@ class Generation:
         self._state = State.QUEUED
         self._segments: list[str] = []
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
         self._listeners: list[Listener] = []
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -105,6 +123,11 @@ class Generation:
     def tokens(self) -> list[int]:
         """The token ids generated so far (EOS excluded)."""
         return list(self._tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Per generated token (with ``logprobs=K``): its log-probability and the K most likely tokens."""
+        return list(self._logprobs)
 
     @property
     def finished(self) -> bool:
@@ -205,6 +228,10 @@ class Reporter:
         if text:
             gen._segments.append(text)
         self._notify(GenerationEvent("tokens", gen, gen._state, text=text))
+
+    def add_logprobs(self, entry: TokenLogprobs) -> None:
+        """Keep one token's log-probabilities (``logprobs=K``)."""
+        self.generation._logprobs.append(entry)
 
     def finish(self, state: State, error: BaseException | None = None) -> None:
         """Enter a final state (after the stream was synchronized) and wake the waiters."""

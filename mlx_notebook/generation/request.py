@@ -29,8 +29,10 @@ class GenerationRequest:
     """What to generate. Validated by :meth:`validate` before queueing.
 
     Args:
-        prompt: The user's prompt, or a list of token ids used as they are
-          (no chat template): exact prompt lengths for benchmarks.
+        prompt: The user's prompt; a list of token ids used as they are
+          (no chat template): exact prompt lengths for benchmarks; or a
+          conversation, a list of ``{"role", "content"}`` dicts that the
+          chat template renders (what :class:`mlx_notebook.Chat` sends).
         model: Model name (see :func:`mlx_notebook.loading.names.resolve`); the model's name is checked by resolving it. Default: ``None``.
         max_tokens: Most tokens to generate. Default: ``256``.
         temperature: 0 for greedy. Default: ``0.0``.
@@ -41,9 +43,20 @@ class GenerationRequest:
         stop_budget: Target seconds for one piece of work. Default: ``DEFAULT_STOP_BUDGET_S`` (0.1).
         max_batch: Most generations of the same model this one decodes
           together with (itself included); 1 runs it alone. Default: ``DEFAULT_MAX_BATCH`` (8).
+        top_k: Sample among the ``top_k`` most likely tokens only. Default: ``None`` (all).
+        min_p: Drop tokens less likely than ``min_p`` times the most likely one. Default: ``None``.
+        repetition_penalty: mlx-lm's repetition penalty (> 1 discourages
+          repeating the last ``repetition_context`` tokens). Default: ``None``.
+        repetition_context: Tokens the repetition penalty looks back at. Default: ``20``.
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling
+          (greedy too). Default: ``None``.
+        stop: Strings that end the generation when the text contains one;
+          the text ends before it (``finish_reason`` ``"stop_string"``). Default: ``None``.
+        logprobs: Keep each generated token's log-probability and the ``logprobs``
+          most likely alternatives (``gen.logprobs``); 0 keeps none. Default: ``0``.
     """
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict[str, str]]
     model: str | None = None
     max_tokens: int = 256
     temperature: float = 0.0
@@ -53,10 +66,19 @@ class GenerationRequest:
     chat: bool = True
     stop_budget: float = DEFAULT_STOP_BUDGET_S
     max_batch: int = DEFAULT_MAX_BATCH
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repetition_context: int = 20
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | None = None
+    logprobs: int = 0
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
         _check_prompt(self.prompt)
+        if is_messages(self.prompt) and not self.chat:
+            raise InvalidArgumentError("a list of messages needs the chat template: leave chat=True")
         for name in _CHECKS:
             check_option(name, getattr(self, name))
 
@@ -73,16 +95,37 @@ def check_option(name: str, value: Any) -> None:
         check(name, value)
 
 
+def is_messages(prompt: Any) -> bool:
+    """Whether ``prompt`` is a conversation (a list of message dicts), not text or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
 def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, (list, tuple)):
+    if is_messages(prompt):
+        _check_messages(prompt)
+    elif isinstance(prompt, (list, tuple)):
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise InvalidArgumentError("a token prompt must be a non-empty list of non-negative integers")
     elif not isinstance(prompt, str):
-        raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
+        raise InvalidArgumentError(
+            f"prompt must be a string, a list of token ids or a list of messages, got {type(prompt).__name__}"
+        )
     elif not prompt.strip():
         raise InvalidArgumentError("prompt is empty: give some text to generate from")
     else:
         _check_text("prompt", prompt)
+
+
+def _check_messages(messages: Any) -> None:
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise InvalidArgumentError(f"message {i} needs a 'role' string (system, user, assistant), got {role!r}")
+        if not isinstance(content, str):
+            raise InvalidArgumentError(f"message {i} ({role}) needs a 'content' string, got {type(content).__name__}")
+        _check_text(f"message {i} ({role})", content)
+    if not any(m["content"].strip() for m in messages):
+        raise InvalidArgumentError("every message is empty: give some text to generate from")
 
 
 def _check_optional_text(name: str, value: Any) -> None:
@@ -135,6 +178,35 @@ def _check_number(
         raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
 
 
+def _optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    def checked(name: str, value: Any) -> None:
+        if value is not None:
+            check(name, value)
+
+    return checked
+
+
+def _check_logit_bias(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            f"{name} must be a dict of token id to bias, e.g. {{1234: -100}}, got {type(value).__name__}"
+        )
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidArgumentError(f"{name} keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidArgumentError(f"{name}[{token}] must be a finite number, got {bias!r}")
+
+
+def _check_stop(name: str, value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"{name} must be a list of strings, e.g. ['###'], got {value!r}")
+    for text in value:
+        if not isinstance(text, str) or not text:
+            raise InvalidArgumentError(f"{name} strings must be non-empty, got {text!r}")
+        _check_text(name, text)
+
+
 def _check_seed(name: str, value: Any) -> None:
     if value is not None:
         _check_int(name, value, minimum=0)
@@ -149,4 +221,11 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "chat": _check_chat,
     "stop_budget": lambda name, v: _check_number(name, v, minimum=0.0, exclusive_minimum=True),
     "max_batch": lambda name, v: _check_int(name, v, minimum=1),
+    "top_k": _optional(lambda name, v: _check_int(name, v, minimum=1)),
+    "min_p": _optional(lambda name, v: _check_number(name, v, minimum=0.0, exclusive_minimum=True, maximum=1.0)),
+    "repetition_penalty": _optional(lambda name, v: _check_number(name, v, minimum=0.0, exclusive_minimum=True)),
+    "repetition_context": lambda name, v: _check_int(name, v, minimum=1),
+    "logit_bias": _optional(_check_logit_bias),
+    "stop": _optional(_check_stop),
+    "logprobs": lambda name, v: _check_int(name, v, minimum=0),
 }

@@ -1,4 +1,10 @@
-"""Sampling with the generation's own PRNG key.
+"""Sampling with the generation's own PRNG key, through mlx-lm's filters and logits processors.
+
+mlx-lm's ``make_sampler`` ends in ``mx.random.categorical`` on MLX's global
+random state; the filters before it (``apply_top_p``, ``apply_min_p``,
+``apply_top_k``) and ``make_logits_processors`` (logit bias, repetition
+penalty) are used here as they are, in mlx-lm's order, and the last draw uses
+the generation's own key instead.
 
 This module never imports IPython or ipywidgets.
 """
@@ -6,14 +12,17 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 
 from .request import GenerationRequest
 
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
 
 class Sampler:
-    """``sample(logprobs) -> token`` with the generation's own PRNG key.
+    """``sample(logprobs) -> token`` with the generation's own PRNG key, and its logits processors.
 
     The key is the generation's own (split once per token) rather than MLX's
     global random state, so other code using ``mx.random`` while a generation
@@ -22,20 +31,41 @@ class Sampler:
     """
 
     def __init__(self, request: GenerationRequest) -> None:
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
         self.greedy = request.temperature == 0
         self.inv_temp = 0.0 if self.greedy else 1.0 / request.temperature
-        self.top_p = request.top_p
+        filters: list[Callable[[mx.array], mx.array]] = []
+        top_p, min_p, top_k = request.top_p, request.min_p, request.top_k
+        if 0 < top_p < 1.0:
+            filters.append(lambda x: apply_top_p(x, top_p))
+        if min_p is not None:
+            filters.append(lambda x: apply_min_p(x, min_p))
+        if top_k is not None:
+            filters.append(lambda x: apply_top_k(x, top_k))
+        self.filters = filters
+        self.processors: list[LogitsProcessor] = make_logits_processors(
+            logit_bias=request.logit_bias,
+            repetition_penalty=request.repetition_penalty,
+            repetition_context_size=request.repetition_context,
+        )
+        # How many of the last tokens the processors read (the logit bias reads none).
+        self.context = request.repetition_context if request.repetition_penalty is not None else 1
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed)
         self._before = self.key
 
+    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """Apply the logits processors; ``tokens`` are the tokens before the one being predicted."""
+        for processor in self.processors:
+            logits = processor(tokens, logits)
+        return logits
+
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
-        from mlx_lm.sample_utils import apply_top_p
-
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
+        for keep in self.filters:
+            logprobs = keep(logprobs)
         self._before = self.key
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * self.inv_temp, key=sub)

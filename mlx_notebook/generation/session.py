@@ -21,11 +21,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from ..control import Cancelled, Pace
+from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
@@ -150,7 +151,7 @@ class Session:
             self.batch.rows, self.batch.ready, self.batch.parked = [], [], []
             self.batch._cache, self.batch._pads, self.batch._y = [], [], None
             for row in rows:
-                self._end(row.sink, State.FAILED, exc)  # type: ignore[arg-type]
+                self._end(row.sink, State.FAILED, exc)
         for row in self.batch.rows:
             row.sink.stats.batch_size = max(row.sink.stats.batch_size, len(self.batch.rows))
 
@@ -191,6 +192,7 @@ class Session:
                 if self.batch is None:
                     self._open(loaded, stack)
                 reporter.set_state(State.PREFILLING)
+                _check_logit_bias(loaded, gen.request)
                 prompt = prepare_prompt(loaded, gen.request)
                 gen.stats.prompt_tokens = len(prompt)
                 pace.checkpoint()
@@ -270,7 +272,7 @@ class Session:
 
     def _row_left(self, row: Row, cache: Cache | None, error: BaseException | None) -> None:
         """A row left the batch for good: keep its cache, report it."""
-        reporter: Reporter = row.sink  # type: ignore[assignment]
+        reporter = row.sink
         if cache is not None:
             self._keep_prefix(row.fed_tokens(), cache)
         if row.finish is FinishReason.STOPPED:
@@ -300,3 +302,15 @@ class Session:
             mx.synchronize(self.stream)
         except Exception:  # the device error is already being reported
             log.debug("synchronize after error failed", exc_info=True)
+
+
+def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
+    """Token ids of ``logit_bias`` must exist in the model's vocabulary (known only once it is loaded)."""
+    if not request.logit_bias:
+        return
+    vocab = loaded.config.get("vocab_size")
+    if vocab is None:
+        return
+    bad = [t for t in request.logit_bias if t >= vocab]
+    if bad:
+        raise InvalidArgumentError(f"logit_bias token id {bad[0]} is not in the model's vocabulary (0-{vocab - 1})")

@@ -15,6 +15,7 @@ class FinishReason(TextEnum):
 
     EOS = "stop"  # the model's end-of-sequence token (mlx-lm's name: "stop")
     LENGTH = "length"
+    STOP_STRING = "stop_string"  # the text reached one of the request's stop strings
     STOPPED = "stopped"
     FAILED = "failed"
 

@@ -20,13 +20,14 @@ Example (in a notebook)::
 
 from __future__ import annotations
 
+import json
 import keyword
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import MLXNotebookError
@@ -44,7 +45,21 @@ from .map_widget import make_map_view
 from .widget import FORMAT_CHOICES, UI_CHOICES, DisplayRouter, error_line, make_view
 
 # Traits that are defaults of GenerationRequest fields of the same name.
-_REQUEST_TRAITS = ("model", "max_tokens", "temperature", "system", "stop_budget", "max_batch")
+_REQUEST_TRAITS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "system",
+    "stop_budget",
+    "max_batch",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context",
+    "logit_bias",
+    "stop",
+    "logprobs",
+)
 
 
 def _fail(message: str) -> UsageError:
@@ -78,6 +93,27 @@ class MLXGen(Magics):
     system = Unicode(None, allow_none=True, help="System message (-s).").tag(config=True)
     stop_budget = Float(
         DEFAULT_STOP_BUDGET_S, help="Seconds one piece of work may take: the longest a stop or pause waits (--budget)."
+    ).tag(config=True)
+    top_k = Integer(None, allow_none=True, help="Sample among the k most likely tokens only (--top-k).").tag(
+        config=True
+    )
+    min_p = Float(
+        None, allow_none=True, help="Drop tokens less likely than min_p times the most likely (--min-p)."
+    ).tag(config=True)
+    repetition_penalty = Float(
+        None, allow_none=True, help="mlx-lm's repetition penalty, > 1 discourages repeats (--repetition-penalty)."
+    ).tag(config=True)
+    repetition_context = Integer(20, help="Tokens the repetition penalty looks back at (--repetition-context).").tag(
+        config=True
+    )
+    logit_bias = Dict(
+        None, allow_none=True, help="{token_id: bias} added to the logits (--logit-bias JSON or NAME)."
+    ).tag(config=True)
+    stop = List(
+        Unicode(), default_value=None, allow_none=True, help="Strings that end the generation (--stop, repeatable)."
+    ).tag(config=True)
+    logprobs = Integer(
+        0, help="Keep each token's log-probability and this many alternatives in gen.logprobs (--logprobs)."
     ).tag(config=True)
     max_batch = Integer(
         DEFAULT_MAX_BATCH,
@@ -180,6 +216,15 @@ class MLXGen(Magics):
     @argument("-t", "--temperature", type=float, default=None, help="0 is greedy (MLXGen.temperature)")
     @argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 disables it (default 1)")
     @argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
+    @argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (MLXGen.top_k)")
+    @argument("--min-p", type=float, default=None, help="min-p sampling threshold (MLXGen.min_p)")
+    @argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    @argument("--repetition-context", type=int, default=None, help="tokens the penalty looks back at (20)")
+    @argument(
+        "--logit-bias", default=None, metavar="JSON|NAME", help="{token_id: bias} as JSON, or a dict variable's name"
+    )
+    @argument("--stop", action="append", default=None, metavar="TEXT", help="end the generation at TEXT (repeatable)")
+    @argument("--logprobs", type=int, default=None, metavar="K", help="keep log-probs and K alternatives")
     @argument("-s", "--system", default=None, help="system message (MLXGen.system)")
     @argument("--raw", action="store_true", help="no chat template: feed the prompt as is")
     @argument("-o", "--out", default=None, metavar="NAME", help="bind the Generation handle to NAME")
@@ -279,9 +324,36 @@ class MLXGen(Magics):
             "temperature": args.temperature,
             "system": args.system,
             "stop_budget": args.budget,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "repetition_context": args.repetition_context,
+            "logit_bias": self._logit_bias(args.logit_bias),
+            "stop": args.stop,
+            "logprobs": args.logprobs,
         }
         options = {name: getattr(self, name) if given.get(name) is None else given[name] for name in _REQUEST_TRAITS}
         return dict(options, top_p=args.top_p, seed=args.seed, chat=not args.raw)
+
+    def _logit_bias(self, text: str | None) -> dict[int, float] | None:
+        """``--logit-bias``: a dict variable's name, or JSON such as ``{"1234": -100}``."""
+        if text is None:
+            return None
+        if text.isidentifier() and text in self.shell.user_ns:
+            value = self.shell.user_ns[text]
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise _fail(
+                    f"--logit-bias must be JSON like '{{\"1234\": -100}}' or a dict variable's name: {exc.msg}"
+                ) from None
+        if not isinstance(value, dict):
+            raise _fail(f"--logit-bias must be a dict of token id to bias, got {type(value).__name__}")
+        try:
+            return {int(k): v for k, v in value.items()}
+        except (TypeError, ValueError):
+            raise _fail("--logit-bias keys must be token ids (integers)") from None
 
     def _mlxgen_map(self, args: Any, template: str) -> None:
         """``%%mlxgen --map NAME``: one generation per item, one view for all."""
