@@ -72,6 +72,9 @@ def load(ipython: Any) -> MLXGen:
     from .cluster_magic import register as register_cluster_magic  # %mlxgen_cluster
 
     register_cluster_magic(ipython)
+    from .chat_magic import register as register_chat_magic  # %%mlxchat, on MLXGen's config
+
+    register_chat_magic(ipython, magics)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
     magics.hooks = KernelHooks(ipython, worker=magics.used_worker, views=magics.router)
@@ -102,6 +105,18 @@ def unload(ipython: Any) -> None:
             ipython.events.unregister(event, getattr(magics.router, event))
         except ValueError:  # already gone
             pass
+    from .chat_magic import ChatMagics
+
+    chat_magics = ipython.magics_manager.registry.get(ChatMagics.__name__)
+    if isinstance(chat_magics, ChatMagics):
+        _remove(ipython, chat_magics, ChatMagics.__name__)
+    _remove(ipython, magics, _REGISTRY_KEY)
+    if magics in getattr(ipython, "configurables", []):
+        ipython.configurables.remove(magics)
+
+
+def _remove(ipython: Any, magics: Any, key: str) -> None:
+    """Take ``magics``' entries out of ``ipython``'s tables, and it out of the registry."""
     manager = ipython.magics_manager
     registered: dict[str, dict[str, str]] = magics.magics or {}
     for kind, names in registered.items():
@@ -110,6 +125,4 @@ def unload(ipython: Any) -> None:
             # Only our own entries: another extension may have taken a name since.
             if getattr(table.get(name), "__self__", None) is magics:
                 del table[name]
-    manager.registry.pop(_REGISTRY_KEY, None)
-    if magics in getattr(ipython, "configurables", []):
-        ipython.configurables.remove(magics)
+    manager.registry.pop(key, None)
