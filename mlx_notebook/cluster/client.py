@@ -47,7 +47,7 @@ from ..generation.stats import FinishReason, GenerationStats, PrefillPieces
 from ..loading.names import resolve
 from ..text_enum import TextEnum
 from .errors import ClusterError
-from .launch import Launcher, LaunchSpec, command, model_folder
+from .launch import Launcher, LaunchSpec, check_config, command, model_folder
 from .protocol import PING_S, ClusterStats, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ class Cluster:
         self.spec = spec
         self.name = name or spec.model
         self.folder = model_folder(spec.model)
+        check_config(self.folder, spec)
         self.watchdog_s = watchdog_s
         self.start_timeout_s = start_timeout_s
         self.state = ClusterState.NEW

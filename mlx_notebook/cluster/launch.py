@@ -12,6 +12,7 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -107,6 +108,35 @@ def model_folder(name: str) -> Path:
     if source.kind is not SourceKind.MLX:
         raise ModelNotFoundError(f"model {name!r} lives in memory only: give a local MLX folder to a cluster")
     return source.path.resolve()
+
+
+def check_divisible(config: dict, ranks: int) -> None:
+    """Raise :class:`ValueError` when tensor parallelism cannot split this config's heads or MLP over ``ranks``."""
+    kind = config.get("model_type", "?")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = config.get(key)
+        if isinstance(value, int) and value % ranks:
+            raise ValueError(f"model type {kind!r} has {key}={value}, not divisible by {ranks} ranks; use fewer ranks")
+
+
+def check_config(folder: Path, spec: LaunchSpec) -> None:
+    """Refuse, before anything starts, a tensor-parallel model whose shapes do not split over the ranks.
+
+    Raises:
+        ClusterError: One line, with the fix.
+    """
+    if spec.pipeline:
+        return
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the ranks' own load says what is wrong with the folder
+    try:
+        check_divisible(
+            config.get("text_config", config) if "num_attention_heads" not in config else config, spec.ranks
+        )
+    except ValueError as exc:
+        raise ClusterError(f"cannot shard {spec.model!r}: {exc}") from None
 
 
 def _free_port_run(count: int) -> int:

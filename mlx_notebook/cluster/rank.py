@@ -48,6 +48,7 @@ from ..generation.stats import GenerationStats
 from ..loading.names import ModelSource, SourceKind
 from ..loading.store import LoadedModel
 from .agreement import AgreedPace, broadcast_bytes, exchange
+from .launch import check_divisible
 from .protocol import IDLE_TICK_S, ClusterStats, Job, Op, pack, unpack
 
 # Rank 0 ends the cluster when the kernel has been silent this long (it pings
@@ -76,10 +77,7 @@ def check_shardable(model: Any, config: dict[str, Any], size: int, *, pipeline: 
         return
     if not hasattr(model, "shard"):
         raise ValueError(f"mlx-lm cannot shard model type {kind!r} tensor-parallel; try --pipeline")
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = config.get(key)
-        if isinstance(value, int) and value % size:
-            raise ValueError(f"model type {kind!r} has {key}={value}, not divisible by {size} ranks; use fewer ranks")
+    check_divisible(config, size)
 
 
 def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
