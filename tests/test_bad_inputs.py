@@ -94,6 +94,18 @@ CASES: list[Case] = [
     Case("t_negative", f"%%mlxgen -t -0.5\n{PROMPT}", "temperature must be >= 0.0, got -0.5"),
     Case("top_p_above_1", f"%%mlxgen --top-p 2\n{PROMPT}", "top_p must be > 0.0 and <= 1.0, got 2.0"),
     Case("seed_negative", f"%%mlxgen --seed -1\n{PROMPT}", "seed must be >= 0, got -1"),
+    Case("top_k_zero", f"%%mlxgen --top-k 0\n{PROMPT}", "top_k must be >= 1, got 0"),
+    Case("min_p_above_1", f"%%mlxgen --min-p 3\n{PROMPT}", "min_p must be > 0.0 and <= 1.0, got 3.0"),
+    Case("stop_empty", f"%%mlxgen --stop ''\n{PROMPT}", "stop strings must be non-empty, got ''"),
+    Case("logit_bias_malformed", f"%%mlxgen --logit-bias '{{1:'\n{PROMPT}", "--logit-bias must be JSON like"),
+    Case("logit_bias_not_a_dict", f"%%mlxgen --logit-bias '[1, 2]'\n{PROMPT}", "must be a dict of token id to bias"),
+    Case("logit_bias_bad_key", f"%%mlxgen --logit-bias '{{\"x\": 1}}'\n{PROMPT}", "keys must be token ids"),
+    Case(
+        "logit_bias_beyond_vocab",
+        f"%%mlxgen --wait --logit-bias '{{\"99999999\": 1}}'\n{PROMPT}",
+        "logit_bias token id 99999999 is not in the model's vocabulary",
+    ),
+    Case("logprobs_negative", f"%%mlxgen --logprobs -1\n{PROMPT}", "logprobs must be >= 0, got -1"),
     Case("flag_unknown", f"%%mlxgen --bogus\n{PROMPT}", "unrecognized arguments: --bogus"),
     Case("flag_without_value", f"%%mlxgen -n\n{PROMPT}", "argument -n/--max-tokens: expected one argument"),
     Case("out_not_a_name", f"%%mlxgen -o 1x\n{PROMPT}", "--out needs a Python variable name, got '1x'"),
@@ -204,6 +216,33 @@ def test_stray_braces_pass_through(kernel: KernelSession, reference: list[int], 
     assert reply.ok and not reply.stream("stderr"), reply.content
     assert kernel.eval("(g.request.prompt, g.state)") == (prompt, "done")
     record("kernel", "accepted: " + body, f"generated from {prompt!r}")
+
+
+def test_every_sampling_flag_reaches_the_request_and_the_api_gives_the_same(kernel: KernelSession) -> None:
+    flags = (
+        "-t 0.8 --seed 3 --top-k 7 --min-p 0.02 --repetition-penalty 1.3 --repetition-context 9 "
+        "--logit-bias bias --stop zzz --stop '###' --logprobs 2"
+    )
+    assert kernel.execute("bias = {5: 1.5}").ok
+    reply = kernel.execute(f"%%mlxgen -n 12 --wait -o g {flags}\n{PROMPT}", timeout=300)
+    assert reply.ok and not reply.stream("stderr"), reply.content
+    got = kernel.eval(
+        "(g.state, g.request.top_k, g.request.min_p, g.request.repetition_penalty, g.request.repetition_context, "
+        "g.request.logit_bias, g.request.stop, len(g.logprobs) == len(g.tokens))"
+    )
+    assert got == ("done", 7, 0.02, 1.3, 9, {5: 1.5}, ["zzz", "###"], True), got
+    same = kernel.eval(
+        "__import__('mlx_notebook').generate(g.request.prompt, model=g.request.model, max_tokens=12, temperature=0.8, seed=3, "
+        "top_k=7, min_p=0.02, repetition_penalty=1.3, repetition_context=9, logit_bias={5: 1.5}, "
+        "stop=['zzz', '###'], logprobs=2).result(timeout=120) == g.text"
+    )
+    assert same
+    # JSON works too, and the config traits are the defaults of the flags.
+    assert kernel.execute("%config MLXGen.top_k = 3").ok
+    reply = kernel.execute(f"%%mlxgen -n 4 --wait -o h --logit-bias '{{\"5\": 2}}'\n{PROMPT}", timeout=300)
+    assert reply.ok, reply.content
+    assert kernel.eval("(h.request.top_k, h.request.logit_bias)") == (3, {5: 2})
+    assert kernel.execute("%config MLXGen.top_k = None").ok
 
 
 def test_second_load_ext_changes_nothing(kernel: KernelSession) -> None:

@@ -116,6 +116,17 @@ def test_cell_magic_generates_and_binds_out(ip: Any, magics: MLXGen, capsys: Any
     assert gen.text in out and f"[mlxgen #{gen.id} done" in out  # terminal view printed it
 
 
+def test_options_are_split_as_a_shell_does(ip: Any, magics: MLXGen) -> None:
+    ip.run_cell(f"%%mlxgen -n 2 --wait -o quoted -s 'Be terse, please' --stop \"a b\" --stop ''\n{PROMPT}")
+    # The empty stop string is refused: nothing ran.
+    assert "quoted" not in ip.user_ns
+    ip.run_cell(f"%%mlxgen -n 2 --wait -o quoted -s 'Be terse, please' --stop \"a b\"\n{PROMPT}")
+    gen = ip.user_ns["quoted"]
+    assert (gen.request.system, gen.request.stop) == ("Be terse, please", ["a b"])
+    with pytest.raises(UsageError, match="no closing quotation in the magic's options"):
+        ip.run_cell_magic("mlxgen", "-s 'unclosed", PROMPT)
+
+
 def test_config_traits_are_defaults_and_validated(ip: Any, magics: MLXGen) -> None:
     magics.max_tokens = 3
     magics.system = "Be brief."

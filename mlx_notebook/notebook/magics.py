@@ -26,14 +26,15 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import MLXNotebookError
 from ..generation.handle import Generation
 from ..generation.prefix_cache import DEFAULT_PROMPT_CACHE_GB
-from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option
+from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option, is_messages
 from ..generation.states import State
 from ..generation.worker import Worker, default_worker
 from ..loading.names import resolve
@@ -436,7 +437,12 @@ class MLXGen(Magics):
         for gen in gens:
             tps = gen.stats.generation_tps
             prompt = gen.request.prompt
-            head = " ".join(prompt.split()) if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            if isinstance(prompt, str):
+                head = " ".join(prompt.split())
+            elif is_messages(prompt):  # a chat turn: its last message
+                head = " ".join(prompt[-1]["content"].split())
+            else:
+                head = f"<{len(prompt)} token ids>"
             rows.append(
                 [
                     f"#{gen.id}",
@@ -525,8 +531,14 @@ def _wait_for_batch(batch: Batch, interrupted: list[float]) -> None:
 
 
 def _parse(magic: Any, line: str) -> Any:
+    # Split as a shell does (IPython's parse_argstring keeps the quotes:
+    # -s 'Be terse' would give the system message "'Be terse'").
     try:
-        return parse_argstring(magic, line)
+        argv = arg_split(line, posix=True)
+    except ValueError as exc:  # shlex: "No closing quotation"
+        raise _fail(f"{str(exc).lower()} in the magic's options") from None
+    try:
+        return magic.parser.parse_args(argv)
     except UsageError as exc:  # argparse's message, e.g. "unrecognized arguments: --x"
         raise _fail(str(exc)) from None
 
