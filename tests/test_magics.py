@@ -260,8 +260,9 @@ def test_wait_for_turns_sigint_into_a_drained_stop(worker: mlx_notebook.Worker, 
 
 
 def test_wait_for_a_queued_generation_drops_it(worker: mlx_notebook.Worker, tiny_model: str) -> None:
-    running = generate(worker, tiny_model, max_tokens=3000)
-    queued = generate(worker, tiny_model, max_tokens=10)
+    # max_batch=1: the second waits in the queue instead of joining the first's batch.
+    running = generate(worker, tiny_model, max_tokens=3000, max_batch=1)
+    queued = generate(worker, tiny_model, max_tokens=10, max_batch=1)
     wait_until(lambda: running.state == "decoding")
     threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt, match="stopped after 0 tokens"):
