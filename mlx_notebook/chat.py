@@ -129,7 +129,9 @@ class Chat:
         user = {"role": "user", "content": text}
         with self._lock:
             self._check_idle("send")
-            prompt = [{"role": m.get("role"), "content": m.get("content")} for m in self.messages] + [dict(user)]
+            # Copies: later edits of the history do not reach the queued request.
+            prompt: list[dict[str, Any]] = [{"role": m.get("role"), "content": m.get("content")} for m in self.messages]
+            prompt.append(dict(user))
             request = GenerationRequest(prompt, model=self.model, system=self.system, **options)
             from .cluster.routing import submit  # a chat on a running cluster's model runs on its ranks
 

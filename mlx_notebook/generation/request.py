@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import InvalidArgumentError
@@ -95,7 +95,7 @@ def check_option(name: str, value: Any) -> None:
         check(name, value)
 
 
-def is_messages(prompt: Any) -> bool:
+def is_messages(prompt: Any) -> TypeGuard[list[dict[str, str]]]:
     """Whether ``prompt`` is a conversation (a list of message dicts), not text or token ids."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 

@@ -25,14 +25,14 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..chat import Chat
 from ..errors import MLXNotebookError
 from ..generation.states import State
 from .interpolate import interpolate
 from .kernel_hooks import deferred_interrupts, wait_for
-from .magics import MLXGen, _as_cell_magic_help
+from .magics import MLXGen, _as_cell_magic_help, _parse
 from .widget import FORMAT_CHOICES, error_line, make_view
 
 
@@ -82,9 +82,9 @@ class ChatMagics(Magics):
         """
         __tracebackhide__ = True
         try:
-            args = parse_argstring(self.mlxchat, line)
+            args = _parse(self.mlxchat, line)  # split as a shell does, as %%mlxgen's options
         except UsageError as exc:
-            raise _fail(str(exc)) from None
+            raise _fail(str(exc).removeprefix("mlxgen: ")) from None
         if not args.name.isidentifier() or keyword.iskeyword(args.name):
             raise _fail(f"NAME must be a Python variable name, got {args.name!r}")
         if not cell.strip():
