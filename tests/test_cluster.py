@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from mlx_notebook.cluster.client import Cluster
 from mlx_notebook.cluster.errors import ClusterError
 from mlx_notebook.cluster.launch import LaunchSpec
 from mlx_notebook.errors import MLXNotebookError
+from mlx_notebook.generation.handle import Generation, GenerationEvent
 from mlx_notebook.generation.request import GenerationRequest
 from testkit.tiny_model import make_tiny_model
 
@@ -68,6 +70,22 @@ def rank_pid(pgid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} in group {pgid}")
 
 
+def when(gen: Generation, condition: Callable[[GenerationEvent], bool], action: Callable[[], None]) -> None:
+    """Call ``action()`` at the first event of ``gen`` that meets ``condition``, on the thread that reports it.
+
+    A test thread that polls instead can be starved for hundreds of ms while two
+    busy ranks hold both cores of this machine, and its request then lands late.
+    """
+    fired: list[bool] = []
+
+    def listener(event: GenerationEvent) -> None:
+        if not fired and condition(event):
+            fired.append(True)
+            action()
+
+    gen.add_listener(listener)
+
+
 @pytest.fixture(scope="module")
 def running(tiny_model):
     started = cluster.start(tiny_model, ranks=2, backend="ring", name=NAME)
@@ -86,7 +104,7 @@ def reference(tiny_model, worker) -> list[int]:
 def test_greedy_tokens_match_single_process(running, reference, tiny_model):
     gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
     gen.result(120)
-    assert gen.tokens == reference
+    assert gen.tokens == reference and gen.stats.generated_tokens == len(reference)
     assert gen.stats.ranks == 2 and gen.stats.backend == "ring"  # type: ignore[attr-defined]
     # The folder's path names the cluster's model too.
     again = mlx_notebook.generate(PROMPT, model=tiny_model, max_tokens=8)
@@ -96,8 +114,7 @@ def test_greedy_tokens_match_single_process(running, reference, tiny_model):
 
 
 def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
-    # Long enough that the pause lands mid-decode on a fast machine too.
-    options = dict(model=NAME, max_tokens=150, temperature=0.9, seed=11)
+    options = dict(model=NAME, max_tokens=60, temperature=0.9, seed=11)
     whole = mlx_notebook.generate(PROMPT, **options)
     whole.result(120)
     local = worker.submit(GenerationRequest(PROMPT, **{**options, "model": tiny_model}))
@@ -105,9 +122,7 @@ def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
     assert whole.tokens == local.tokens
 
     gen = mlx_notebook.generate(PROMPT, **options)
-    while gen.stats.generated_tokens < 6 and not gen.finished:
-        time.sleep(0.005)
-    gen.pause()
+    when(gen, lambda event: event.kind == "tokens" and gen.stats.generated_tokens >= 6, gen.pause)
     deadline = time.monotonic() + 10
     while gen.state != "paused":
         assert time.monotonic() < deadline and not gen.finished
@@ -124,18 +139,14 @@ def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
 def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
     prompt = list(range(3, 300)) * 6  # 1782 tokens, pieces of ~20 ms
     gen = mlx_notebook.generate(prompt, model=NAME, max_tokens=4, stop_budget=0.02)
-    while gen.state != "prefilling" and not gen.finished:
-        time.sleep(0.005)
-    time.sleep(0.2)
-    gen.cancel()
+    when(gen, lambda event: event.kind == "progress" and event.phase == "prefill" and event.done >= 200, gen.cancel)
     assert gen.wait(30) and gen.state == "stopped"
+    assert gen.tokens == []
     prefill_stop = gen.stats.stop_latency_s
     assert prefill_stop is not None
 
     gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=2000)
-    while gen.stats.generated_tokens < 10 and not gen.finished:
-        time.sleep(0.005)
-    gen.cancel()
+    when(gen, lambda event: event.kind == "tokens" and gen.stats.generated_tokens >= 10, gen.cancel)
     assert gen.wait(30) and gen.state == "stopped"
     assert 10 <= gen.stats.generated_tokens < 2000
     decode_stop = gen.stats.stop_latency_s

@@ -435,7 +435,9 @@ class Cluster:
         gen = reporter.generation
         token = gen.token
         if ev == "tokens":
-            reporter.emit(list(msg["ids"]), str(msg["text"]))
+            ids = list(msg["ids"])
+            gen.stats.generated_tokens += len(ids)  # as the local engine does, before listeners hear of them
+            reporter.emit(ids, str(msg["text"]))
         elif ev == "progress":
             reporter.progress(str(msg["phase"]), int(msg["done"]), int(msg["total"]))
         elif ev == "stats":

@@ -201,10 +201,11 @@ class _RankSink:
         self._send(ev="progress", phase=phase, done=done, total=total)
 
     def emit(self, token_ids: list[int], text: str) -> None:
+        # The kernel counts the tokens itself; stats (rates, step times) follow now and then.
+        self._send(ev="tokens", ids=token_ids, text=text)
         self._tokens += 1
         if self._tokens % STATS_EVERY == 1:
             self.send_stats()
-        self._send(ev="tokens", ids=token_ids, text=text)
 
     def finish(self, state: State, error: str | None = None, *, lost: bool = False) -> None:
         self.send_stats()
