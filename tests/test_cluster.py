@@ -114,7 +114,7 @@ def test_greedy_tokens_match_single_process(running, reference, tiny_model):
 
 
 def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
-    options = dict(model=NAME, max_tokens=60, temperature=0.9, seed=11)
+    options = dict(model=NAME, max_tokens=120, temperature=0.9, seed=11)
     whole = mlx_notebook.generate(PROMPT, **options)
     whole.result(120)
     local = worker.submit(GenerationRequest(PROMPT, **{**options, "model": tiny_model}))

@@ -237,8 +237,10 @@ class Cluster:
             self.state = ClusterState.ENDED
             return
         self._stopping = True
-        for reporter in list(self._reporters.values()):
-            reporter.generation.cancel()
+        deadline = time.monotonic() + timeout / 2
+        # Stopped generations end as "stopped" (rank 0 says so after every rank synchronized).
+        for gen in self.cancel_all():
+            gen.wait(max(0.0, deadline - time.monotonic()))
         self._send({"op": "shutdown"})
         self._closing.set()
         self._wake()
@@ -349,6 +351,11 @@ class Cluster:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         last_ping = 0.0
+
+        def flush() -> None:
+            while self._outbox:
+                _send_now(sock, self._outbox.popleft())
+
         try:
             while True:
                 poller.poll(100)
@@ -356,24 +363,31 @@ class Cluster:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-                while self._outbox:
-                    _send_now(sock, self._outbox.popleft())
+                flush()
                 while sock.poll(0, zmq.POLLIN):
                     self._last_heard = time.monotonic()
                     self._dispatch(unpack(sock.recv()))
+                    # A stop or pause (asked by a listener, or any thread) leaves at once,
+                    # not after a backlog of tokens has been read.
+                    flush()
                 now = time.monotonic()
                 if now - last_ping >= PING_S and self.state is ClusterState.READY:
                     _send_now(sock, {"op": "ping"})
                     last_ping = now
                 if self._closing.is_set():
+                    flush()  # a stop() between the drain above and here: its shutdown goes too
                     break
                 if self._watch(now):
                     break
         finally:
-            sock.close(linger=0)
+            # A moment for the last messages (shutdown, stops) to leave; then whatever is still
+            # unfinished ends here: stopped if a stop was asked, failed otherwise.
+            sock.close(linger=500 if self._stopping else 0)
             launcher = self.launcher
             if launcher is not None:
                 launcher.stop(timeout=5.0 if self._stopping else 0.0)
+            # After the ranks are gone: nothing is in flight when a generation is reported ended.
+            self._end(self.error or "the cluster was stopped")
             with self._lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
@@ -385,14 +399,21 @@ class Cluster:
         launcher = self.launcher
         assert launcher is not None
         if launcher.exit_code is not None:
-            self._end(f"the ranks ended ({launcher.why_ended()})")
+            self._fault(f"the ranks ended ({launcher.why_ended()})")
             return True
         # Rank 0 answers every ping within a piece of work, also while idle or paused
         # (it agrees with the others every tick): silence means a rank hangs in a collective.
         if self.state is ClusterState.READY and now - self._last_heard > self.watchdog_s:
-            self._end(f"rank 0 silent for {self.watchdog_s:.0f} s (a rank hung or died)")
+            self._fault(f"rank 0 silent for {self.watchdog_s:.0f} s (a rank hung or died)")
             return True
         return False
+
+    def _fault(self, why: str) -> None:
+        """The cluster can run nothing more: say why now; its generations end once its processes are gone."""
+        if self.state is not ClusterState.ENDED and not self._stopping:
+            self.error = why
+        self.state = ClusterState.ENDED
+        self._closing.set()
 
     def _end(self, why: str) -> None:
         if self.state is not ClusterState.ENDED and not self._stopping:
@@ -460,7 +481,7 @@ class Cluster:
             reporter.finish(state, error)
             if msg.get("lost"):
                 # A rank is gone: the group can run nothing more (mlx.launch is ending the rest).
-                self._end(str(msg["error"]))
+                self._fault(str(msg["error"]))
 
 
 def _send_now(sock: Any, message: dict[str, Any]) -> None:
