@@ -329,7 +329,11 @@ class Campaign:
         # The rounds compare the widget's text with the handle's token by
         # token: the plain-text widget shows exactly the text (the Markdown
         # one ends as a rendered output; tests/test_markdown.py covers it).
-        for code in ("%load_ext mlx_notebook\n%config MLXGen.format = 'text'", KERNEL_HELPERS):
+        # They aim faults at phases, and run the same prompts again and
+        # again: with the prompt cache on, a rerun's prefill would be a
+        # single token (tests/test_batching.py covers the cache).
+        setup = "%load_ext mlx_notebook\n%config MLXGen.format = 'text'\n%config MLXGen.prompt_cache_gb = 0"
+        for code in (setup, KERNEL_HELPERS):
             reply = self.s.execute(code, timeout=120)
             assert reply.ok, reply.content
 

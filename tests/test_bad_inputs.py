@@ -313,7 +313,11 @@ API_CASES: dict[str, tuple] = {
     # name: (generate() keyword arguments, error type, phrase)
     "api_empty_prompt": ({"prompt": ""}, InvalidArgumentError, "prompt is empty"),
     "api_whitespace_prompt": ({"prompt": " \n\t "}, InvalidArgumentError, "prompt is empty"),
-    "api_bytes_prompt": ({"prompt": b"hi"}, InvalidArgumentError, "prompt must be a string, got bytes"),
+    "api_bytes_prompt": (
+        {"prompt": b"hi"},
+        InvalidArgumentError,
+        "prompt must be a string, a list of token ids or a list of messages, got bytes",
+    ),
     "api_lone_surrogate": (
         {"prompt": "caf\udcff"},
         InvalidArgumentError,

@@ -154,10 +154,17 @@ def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
 
 
 def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
-    long_prompt = " ".join(["rivers flow to the sea"] * 150)
-    expected = reference(worker, tiny_model, prompt=long_prompt, max_tokens=20)
-    gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=20, stop_budget=0.005)
-    while gen.state != "prefilling":
+    long_prompt = " ".join(["rivers flow to the sea"] * 400)
+    worker.prompt_cache_gb = 0  # the second run must prefill the prompt again
+    try:
+        expected = reference(worker, tiny_model, prompt=long_prompt, max_tokens=20)
+        gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=20, stop_budget=0.005)
+    finally:
+        worker.prompt_cache_gb = 2
+    # Pause once a prefill chunk is done and most of the prompt is still ahead
+    # (right after "prefilling" the test thread may be scheduled too late).
+    while not (gen.state == "prefilling" and gen.stats.prefill_chunks >= 1):
+        assert not gen.finished
         time.sleep(0.0005)
     gen.pause()
     deadline = time.monotonic() + 10

@@ -200,6 +200,7 @@ def test_extension_load_unload_is_idempotent(ip: Any) -> None:
     unload(ip)
     assert loaded_magics(ip) is None and not magics.hooks.installed
     assert ip.find_cell_magic("mlxgen") is None and ip.find_line_magic("mlxgen_jobs") is None
+    assert ip.find_line_magic("mlxgen_cluster") is None and ip.find_cell_magic("mlxchat") is None
     assert magics not in ip.configurables
     assert magics.router.pre_run_cell not in ip.events.callbacks["pre_run_cell"]
     unload(ip)  # harmless when not loaded

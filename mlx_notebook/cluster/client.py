@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..control import CancelToken
-from ..errors import MLXNotebookError
+from ..errors import InvalidArgumentError, MLXNotebookError
 from ..generation.handle import Generation, Reporter
 from ..generation.request import GenerationRequest
 from ..generation.states import State
@@ -303,6 +303,12 @@ class Cluster:
             ClusterError: The cluster is not running.
         """
         request.validate()
+        unsupported = [name for name in _LOCAL_ONLY if getattr(request, name) not in (None, 0)]
+        if unsupported:
+            raise InvalidArgumentError(
+                f"{', '.join(unsupported)}: not available on a cluster yet (its ranks sample with "
+                "temperature, top_p and seed only); leave them out"
+            )
         if not self.ready:
             raise ClusterError(f"the cluster is {self.state}{': ' + self.error if self.error else ''}; restart it")
         gen = Generation(request, on_cancel=lambda _gen: None)
@@ -482,6 +488,10 @@ class Cluster:
             if msg.get("lost"):
                 # A rank is gone: the group can run nothing more (mlx.launch is ending the rest).
                 self._fault(str(msg["error"]))
+
+
+# Request options the ranks' decode loop does not have (see steps.decode).
+_LOCAL_ONLY = ("top_k", "min_p", "repetition_penalty", "logit_bias", "stop", "logprobs")
 
 
 def _send_now(sock: Any, message: dict[str, Any]) -> None:

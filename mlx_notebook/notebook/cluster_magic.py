@@ -21,10 +21,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import cluster
 from ..errors import MLXNotebookError
+from .magics import parse_options
 from .widget import error_line
 
 
@@ -49,7 +50,7 @@ class ClusterMagics(Magics):
     def mlxgen_cluster(self, line: str) -> None:
         """Start a model sharded over ranks with ``mlx.launch``; ``%%mlxgen -m NAME`` then runs there."""
         try:
-            args = parse_argstring(self.mlxgen_cluster, line)
+            args = parse_options(self.mlxgen_cluster, line)
         except UsageError as exc:
             raise _fail(str(exc)) from None
         try:

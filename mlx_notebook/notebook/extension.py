@@ -106,10 +106,12 @@ def unload(ipython: Any) -> None:
         except ValueError:  # already gone
             pass
     from .chat_magic import ChatMagics
+    from .cluster_magic import ClusterMagics
 
-    chat_magics = ipython.magics_manager.registry.get(ChatMagics.__name__)
-    if isinstance(chat_magics, ChatMagics):
-        _remove(ipython, chat_magics, ChatMagics.__name__)
+    for kind in (ChatMagics, ClusterMagics):
+        others = ipython.magics_manager.registry.get(kind.__name__)
+        if isinstance(others, kind):
+            _remove(ipython, others, kind.__name__)
     _remove(ipython, magics, _REGISTRY_KEY)
     if magics in getattr(ipython, "configurables", []):
         ipython.configurables.remove(magics)

@@ -330,6 +330,11 @@ class KernelHooks:
         """Cancel the running and queued generations; return them."""
         worker = self.worker()
         stopped = worker.cancel_all() if worker is not None else []
+        from ..cluster.routing import current  # generations running on a cluster's ranks
+
+        cluster = current()
+        if cluster is not None:
+            stopped += cluster.cancel_all()
         if stopped:
             log.info("interrupt while idle: stopping %s", ", ".join(f"#{g.id}" for g in stopped))
         return stopped

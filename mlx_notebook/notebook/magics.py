@@ -399,6 +399,9 @@ class MLXGen(Magics):
         worker = self.used_worker()
         if args.target == "all":
             stopped = worker.cancel_all() if worker is not None else []
+            cluster = _cluster()
+            if cluster is not None:
+                stopped += cluster.cancel_all()
             if stopped:
                 print("stopping " + ", ".join(f"#{g.id}" for g in stopped))
             else:
@@ -415,11 +418,19 @@ class MLXGen(Magics):
         text = target.lstrip("#")
         if not text.isdigit():
             raise _fail(f"give a generation id or 'all', got {target!r}")
-        worker = self.used_worker()
-        for gen in worker.history if worker is not None else []:
+        for gen in self._history():
             if gen.id == int(text):
                 return gen
         raise _fail(f"no generation #{text}: %mlxgen_jobs lists them")
+
+    def _history(self) -> list[Generation]:
+        """This kernel's generations, local and on its cluster, oldest first."""
+        worker = self.used_worker()
+        gens = list(worker.history) if worker is not None else []
+        cluster = _cluster()
+        if cluster is not None:
+            gens += cluster.history
+        return sorted(gens, key=lambda g: g.id)
 
     # -- %mlxgen_jobs ---------------------------------------------------------------------------
 
@@ -428,8 +439,7 @@ class MLXGen(Magics):
         """List this kernel's generations: id, state, tokens, tok/s, prompt."""
         if line.strip():
             raise _fail("%mlxgen_jobs takes no arguments")
-        worker = self.used_worker()
-        gens = list(worker.history) if worker is not None else []
+        gens = self._history()
         if not gens:
             print("no generations yet")
             return
@@ -530,16 +540,34 @@ def _wait_for_batch(batch: Batch, interrupted: list[float]) -> None:
     raise KeyboardInterrupt(f"mlxgen map stopped: {batch.summary()}; the model stays loaded")
 
 
-def _parse(magic: Any, line: str) -> Any:
-    # Split as a shell does (IPython's parse_argstring keeps the quotes:
-    # -s 'Be terse' would give the system message "'Be terse'").
+def _cluster() -> Any:
+    """The kernel's cluster, if one was started (its generations are listed and stopped too)."""
+    from ..cluster.routing import current
+
+    return current()
+
+
+def parse_options(magic: Any, line: str) -> Any:
+    """A magic's options, split as a shell does.
+
+    IPython's ``parse_argstring`` keeps the quotes: ``-s 'Be terse'`` would
+    give the system message ``'Be terse'`` quotes included.
+
+    Raises:
+        UsageError: argparse's message (e.g. "unrecognized arguments: --x"),
+          or an unclosed quote.
+    """
     try:
         argv = arg_split(line, posix=True)
     except ValueError as exc:  # shlex: "No closing quotation"
-        raise _fail(f"{str(exc).lower()} in the magic's options") from None
+        raise UsageError(f"{str(exc).lower()} in the magic's options") from None
+    return magic.parser.parse_args(argv)
+
+
+def _parse(magic: Any, line: str) -> Any:
     try:
-        return magic.parser.parse_args(argv)
-    except UsageError as exc:  # argparse's message, e.g. "unrecognized arguments: --x"
+        return parse_options(magic, line)
+    except UsageError as exc:
         raise _fail(str(exc)) from None
 
 
