@@ -22,9 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# mlx_notebook before mlx: it binds MLX's CPU matmuls to OpenBLAS, which must be
+# loaded first (imported after mlx, prefill runs on the reference BLAS, ~10x slower).
+import mlx_notebook  # isort: skip
+
 import mlx.core as mx
 
-import mlx_notebook
 from benchmarks.bench import save
 
 QUESTIONS = [
