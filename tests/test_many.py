@@ -126,7 +126,12 @@ def test_a_failed_member_fails_alone(worker, tiny_model: str) -> None:
             InvalidArgumentError,
             "prompts[1]: prompt is empty: give some text to generate from",
         ),
-        (["fine", b"bytes"], {}, InvalidArgumentError, "prompts[1]: prompt must be a string, got bytes"),
+        (
+            ["fine", b"bytes"],
+            {},
+            InvalidArgumentError,
+            "prompts[1]: prompt must be a string, a list of token ids or a list of messages, got bytes",
+        ),
         (["fine", [1, -2]], {}, InvalidArgumentError, "prompts[1]: a token prompt must be a non-empty list"),
         ([], {}, InvalidArgumentError, "prompts is empty: give at least one prompt"),
         ("one prompt", {}, InvalidArgumentError, "prompts must be a list of prompts, got one str; use generate()"),
