@@ -213,8 +213,11 @@ def test_stop_button_stops(kernel: KernelSession) -> None:
 
 
 def test_queued_generation_has_its_own_controls(kernel: KernelSession) -> None:
+    # One at a time: the second waits in the queue instead of joining the first's batch.
+    assert kernel.execute("%config MLXGen.max_batch = 1").ok
     first = kernel.execute(f"%%mlxgen -n {LONG_TOKENS} -o q1\n{PROMPT}")
     second = kernel.execute(f"%%mlxgen -n {LONG_TOKENS} -o q2\n{PROMPT}")
+    assert kernel.execute("%config MLXGen.max_batch = 8").ok
     wait_decoding(kernel, first.msg_id, tokens=1)
     assert status(kernel, second.msg_id)[0] == "queued"
     queued = view(kernel, second.msg_id)

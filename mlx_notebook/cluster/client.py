@@ -303,7 +303,7 @@ class Cluster:
             ClusterError: The cluster is not running.
         """
         request.validate()
-        unsupported = [name for name in _LOCAL_ONLY if getattr(request, name) not in (None, 0)]
+        unsupported = [name for name in _LOCAL_ONLY if getattr(request, name)]  # None, 0, [] and {} are off
         if unsupported:
             raise InvalidArgumentError(
                 f"{', '.join(unsupported)}: not available on a cluster yet (its ranks sample with "

@@ -19,13 +19,16 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 Cache = list[Any]
+# mlx-lm is imported inside the functions: importing it takes ~1.3 s
+# (transformers), which the first load does on a helper thread, stoppably.
 
 
 def batchable(cache: Cache) -> bool:
     """Whether every layer of ``cache`` is a plain ``KVCache`` (rows can be merged and split)."""
+    from mlx_lm.models.cache import KVCache
+
     return bool(cache) and all(type(layer) is KVCache for layer in cache)
 
 
@@ -36,6 +39,8 @@ def length(cache: Cache) -> int:
 
 def merge(caches: list[Cache]) -> tuple[Cache, list[int]]:
     """One batched cache from single-sequence caches (copies); return it and each row's left padding."""
+    from mlx_lm.models.cache import BatchKVCache
+
     lengths = [length(c) for c in caches]
     top = max(lengths)
     merged = [BatchKVCache.merge(list(layers)) for layers in zip(*caches)]
@@ -78,6 +83,8 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
 
 def extract(batch: Cache, pads: list[int], row: int) -> Cache:
     """Row ``row`` as a single-sequence cache (a copy), as ``BatchKVCache.extract`` without the read-back."""
+    from mlx_lm.models.cache import KVCache
+
     out = []
     pad = pads[row]
     for layer in batch:

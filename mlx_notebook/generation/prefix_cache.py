@@ -21,8 +21,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import KVCache
-
 from .batch_cache import Cache, batchable, length
 
 GB = 1e9
@@ -125,6 +123,8 @@ class PromptCache:
 
 def _view(cache: Cache, n: int) -> Cache:
     """New single-sequence caches over the first ``n`` positions of ``cache``."""
+    from mlx_lm.models.cache import KVCache  # imported late: see batch_cache
+
     out = []
     for layer in cache:
         view = KVCache()
