@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import random
 import statistics
@@ -227,7 +228,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False):
     clock = TokenClock(gens)
     wait_decoding(gens, 8)
     tracer = Trace()
-    with GcPauses() as pauses, (tracer if trace else contextlib.nullcontext()):
+    with GcPauses() as pauses, tracer if trace else contextlib.nullcontext():
         joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
         t_join = time.perf_counter()
         joiner.result()
@@ -296,6 +297,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print what the worker did in the longest join gap")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    # Measured here on any device, the CPU included (off there by default: loading/policy.py).
+    os.environ.setdefault("MLX_NOTEBOOK_BATCH", "1")
     skip = set(filter(None, args.skip.split(",")))
     folder = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp())
     worker, name, vocab, load_s = open_model(args.model, args.synthetic, 0, folder)

@@ -209,3 +209,16 @@ def test_stopped_prefill_frees_its_cache_without_a_garbage_collection(tiny_model
     finally:
         gc.enable()
         worker.shutdown()
+
+
+def test_the_cpu_does_not_batch_by_default(tiny_model, monkeypatch):
+    """A CPU step costs about B times one: batching gains nothing there and stretches stops."""
+    monkeypatch.setenv("MLX_NOTEBOOK_BATCH", "auto")
+    worker = mlx_notebook.Worker()
+    try:
+        gens = submit_all(worker, tiny_model, max_tokens=8)
+        for gen in gens:
+            gen.result(timeout=120)
+        assert [g.stats.batch_size for g in gens] == [1, 1, 1, 1]
+    finally:
+        worker.shutdown()

@@ -130,3 +130,17 @@ def test_help(kernel: KernelSession) -> None:
     page = kernel.execute("%%mlxchat?").content["payload"][0]["data"]["text/plain"]
     for flag in ("%%mlxchat [", "NAME", "--drop-stopped", "--wait", "--max-tokens"):
         assert flag in page
+
+
+def test_sampling_flags_apply_to_one_turn(kernel: KernelSession) -> None:
+    turn(kernel, "cs", "Name a river.", "-n 6 --wait --top-k 5 --stop zzz --logprobs 2 --logit-bias '{\"5\": 0.5}'")
+    got = kernel.eval(
+        "(cs.generation.request.top_k, cs.generation.request.stop, cs.generation.request.logit_bias, "
+        "len(cs.generation.logprobs) == len(cs.generation.tokens))"
+    )
+    assert got == (5, ["zzz"], {5: 0.5}, True)
+    turn(kernel, "cs", "And another?", "-n 4 --wait")
+    assert kernel.eval("(cs.generation.request.top_k, cs.generation.request.stop)") == (None, None)
+    bad = kernel.execute("%%mlxchat cs --logit-bias '{1:'\nAgain?")
+    assert bad.content["status"] == "error" and "--logit-bias must be JSON like" in bad.stream("stderr")
+    assert kernel.eval("len(cs.messages)") == 4

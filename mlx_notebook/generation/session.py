@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
+from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
@@ -223,7 +224,7 @@ class Session:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.loaded = loaded
-        self.batchable = batch_cache.batchable(make_prompt_cache(loaded.model))
+        self.batchable = batch_decode() and batch_cache.batchable(make_prompt_cache(loaded.model))
         self.batch = DecodeBatch(loaded, self.stream, self._row_left)
         stack.enter_context(wired_limit(loaded.model, self.stream))
 

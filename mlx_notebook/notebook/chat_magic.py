@@ -63,6 +63,13 @@ class ChatMagics(Magics):
     @argument("-t", "--temperature", type=float, default=None, help="0 is greedy (MLXGen.temperature)")
     @argument("--top-p", type=float, default=None, help="nucleus sampling mass, 1 disables it")
     @argument("--seed", type=int, default=None, help="sampling seed")
+    @argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    @argument("--min-p", type=float, default=None, help="min-p sampling threshold")
+    @argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    @argument("--repetition-context", type=int, default=None, help="tokens the penalty looks back at (20)")
+    @argument("--logit-bias", default=None, metavar="JSON|NAME", help="{token_id: bias} as JSON or a dict's name")
+    @argument("--stop", action="append", default=None, metavar="TEXT", help="end the answer at TEXT (repeatable)")
+    @argument("--logprobs", type=int, default=None, metavar="K", help="keep log-probs and K alternatives")
     @argument("--drop-stopped", action="store_true", help="a new chat drops a stopped turn instead of keeping it")
     @argument("--wait", dest="wait", action="store_const", const=True, default=None, help="block until done")
     @argument("--no-wait", dest="wait", action="store_const", const=False, help="run in the background")
@@ -76,7 +83,9 @@ class ChatMagics(Magics):
         The first ``%%mlxchat NAME`` makes a :class:`mlx_notebook.Chat` with the
         given model, system message and sampling options (the rest from
         ``MLXGen``'s config) and binds it to ``NAME``; later cells continue it,
-        their ``-n``/``-t``/``--top-p``/``--seed`` applying to that turn only.
+        their sampling flags (``-n``, ``-t``, ``--top-p``, ``--seed``, ``--top-k``,
+        ``--min-p``, ``--repetition-penalty``, ``--logit-bias``, ``--stop``,
+        ``--logprobs``) applying to that turn only.
         Each turn prefills only what is new since the last one (the prompt
         cache). ``{name}`` in the body inserts variables, as in ``%%mlxgen``.
         """
@@ -166,7 +175,20 @@ class ChatMagics(Magics):
             "stop_budget": config.stop_budget if args.budget is None else args.budget,
             "max_batch": config.max_batch,
         }
-        for name in ("max_tokens", "temperature", "top_p", "seed"):
+        args.logit_bias = config._logit_bias(args.logit_bias)  # JSON or a dict variable, as %%mlxgen
+        for name in (
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "repetition_context",
+            "logit_bias",
+            "stop",
+            "logprobs",
+        ):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
         # Asked each time: syncs MLXGen.prompt_cache_gb to the worker, as %%mlxgen does.
