@@ -102,8 +102,10 @@ def test_interrupt_is_one_line(kernel: KernelSession) -> None:
     assert "KeyboardInterrupt" in line and "the model stays loaded" in line and "\n" not in line
     assert kernel.eval("cut.state") == "stopped"
     # Other interrupts keep their ordinary traceback.
-    cell = kernel.start("import time\nfor _ in range(600): time.sleep(0.05)")
-    kernel.wait_until(lambda: any(m["msg_type"] == "execute_input" for m in kernel.with_parent(cell)), 30)
+    cell = kernel.start("import time\nprint('running', flush=True)\nfor _ in range(600): time.sleep(0.05)")
+    # Interrupt once the loop runs: one landing between execute_input and the
+    # cell's first line is an interrupt while idle (nothing to raise into).
+    kernel.wait_until(lambda: any(m["msg_type"] == "stream" for m in kernel.with_parent(cell)), 30)
     kernel.km.interrupt_kernel()
     kernel.reply_to(cell, timeout=60)
     kernel.wait_until(lambda: [m for m in kernel.with_parent(cell) if m["msg_type"] == "error"], 10)
