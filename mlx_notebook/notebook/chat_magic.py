@@ -31,9 +31,9 @@ from ..chat import Chat
 from ..errors import MLXNotebookError
 from ..generation.states import State
 from .interpolate import interpolate
-from .kernel_hooks import deferred_interrupts, wait_for
+from .kernel_hooks import deferred_interrupts
 from .magics import MLXGen, _as_cell_magic_help, _parse
-from .widget import FORMAT_CHOICES, error_line, make_view
+from .widget import FORMAT_CHOICES, error_line
 
 
 def _fail(message: str) -> UsageError:
@@ -114,20 +114,7 @@ class ChatMagics(Magics):
             except MLXNotebookError as exc:
                 raise _fail(f"{args.name}: {error_line(exc)}") from None
             self.shell.user_ns[args.name] = chat
-            view = make_view(
-                gen,
-                shell=self.shell,
-                ui="text" if args.plain else gen_magics.ui,
-                throttle=gen_magics.throttle,
-                router=gen_magics.router,
-                waiting=waiting,
-                format=args.format or gen_magics.format,
-                notice=gen_magics.first_view_notice,
-            )
-            gen_magics.first_view_notice = ""
-            view.show()
-            if waiting or interrupted:
-                wait_for(gen, interrupted=bool(interrupted))
+            gen_magics.show(gen, args, waiting=waiting, interrupted=bool(interrupted))
         if waiting and gen.state is State.FAILED and gen.error is not None:
             raise _fail(f"{args.name} #{gen.id} failed: {error_line(gen.error)}; the message was taken back")
 

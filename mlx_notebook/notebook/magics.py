@@ -299,23 +299,27 @@ class MLXGen(Magics):
                 raise _fail(error_line(exc)) from None
             if args.out is not None:
                 self.shell.user_ns[args.out] = gen
-            view = make_view(
-                gen,
-                shell=self.shell,
-                ui="text" if args.plain else self.ui,
-                throttle=self.throttle,
-                router=self.router,
-                waiting=waiting,
-                format=args.format or self.format,
-                notice=self.first_view_notice,
-            )
-            self.first_view_notice = ""
-            view.show()
-            if waiting or interrupted:
-                wait_for(gen, interrupted=bool(interrupted))
+            self.show(gen, args, waiting=waiting, interrupted=bool(interrupted))
         if waiting:
             if gen.state is State.FAILED and gen.error is not None:
                 raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
+
+    def show(self, gen: Generation, args: Any, *, waiting: bool, interrupted: bool) -> None:
+        """Show ``gen``'s view in the cell (``--plain``, ``--format``) and wait for it when asked."""
+        view = make_view(
+            gen,
+            shell=self.shell,
+            ui="text" if args.plain else self.ui,
+            throttle=self.throttle,
+            router=self.router,
+            waiting=waiting,
+            format=args.format or self.format,
+            notice=self.first_view_notice,
+        )
+        self.first_view_notice = ""
+        view.show()
+        if waiting or interrupted:
+            wait_for(gen, interrupted=interrupted)
 
     def _options(self, args: Any) -> dict[str, Any]:
         """The request's options from the cell's flags; a flag wins over the trait of the same name."""
