@@ -114,7 +114,7 @@ class ChatMagics(Magics):
             except MLXNotebookError as exc:
                 raise _fail(f"{args.name}: {error_line(exc)}") from None
             self.shell.user_ns[args.name] = chat
-            gen_magics.show(gen, args, waiting=waiting, interrupted=bool(interrupted))
+            gen_magics.show(gen, args, waiting=waiting, interrupted=interrupted)
         if waiting and gen.state is State.FAILED and gen.error is not None:
             raise _fail(f"{args.name} #{gen.id} failed: {error_line(gen.error)}; the message was taken back")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import keyword
+from collections.abc import Sequence
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -299,13 +300,17 @@ class MLXGen(Magics):
                 raise _fail(error_line(exc)) from None
             if args.out is not None:
                 self.shell.user_ns[args.out] = gen
-            self.show(gen, args, waiting=waiting, interrupted=bool(interrupted))
+            self.show(gen, args, waiting=waiting, interrupted=interrupted)
         if waiting:
             if gen.state is State.FAILED and gen.error is not None:
                 raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
 
-    def show(self, gen: Generation, args: Any, *, waiting: bool, interrupted: bool) -> None:
-        """Show ``gen``'s view in the cell (``--plain``, ``--format``) and wait for it when asked."""
+    def show(self, gen: Generation, args: Any, *, waiting: bool, interrupted: Sequence[float] = ()) -> None:
+        """Show ``gen``'s view in the cell (``--plain``, ``--format``) and wait for it when asked.
+
+        ``interrupted`` is the live list from :func:`deferred_interrupts`: it is
+        read after the view is shown, since an interrupt may land while it is.
+        """
         view = make_view(
             gen,
             shell=self.shell,
@@ -319,7 +324,7 @@ class MLXGen(Magics):
         self.first_view_notice = ""
         view.show()
         if waiting or interrupted:
-            wait_for(gen, interrupted=interrupted)
+            wait_for(gen, interrupted=bool(interrupted))
 
     def _options(self, args: Any) -> dict[str, Any]:
         """The request's options from the cell's flags; a flag wins over the trait of the same name."""
