@@ -78,17 +78,13 @@ class Job:
 
 @dataclass
 class ClusterStats(GenerationStats):
-    """A cluster generation's stats: the local ones, plus where it ran and what agreeing cost.
+    """A cluster generation's stats: the local ones (with ``ranks`` and ``backend``), plus what agreeing cost.
 
     Args:
-        ranks: How many ranks ran it. Default: ``0``.
-        backend: The MLX distributed backend. Default: ``""``.
         agreements: Checkpoints agreed by all ranks (one small ``all_sum`` each). Default: ``0``.
         agreement_s: Seconds rank 0 spent in those collectives. Default: ``0.0``.
     """
 
-    ranks: int = 0
-    backend: str = ""
     agreements: int = 0
     agreement_s: float = 0.0
 

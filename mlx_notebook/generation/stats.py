@@ -50,6 +50,9 @@ class GenerationStats:
         budget_below_step: One decode step alone takes longer than the stop
           budget: a stop waits for that step, over the budget.
         batch_size: Most generations decoded together with it (itself included).
+        ranks: Processes the model was sharded over (1: this process alone).
+        backend: The MLX distributed backend of those ranks (``ring``, ``nccl``...);
+          ``""`` on one process.
         finish_reason: Why it ended (:class:`FinishReason`), ``None`` while it runs.
     """
 
@@ -68,4 +71,6 @@ class GenerationStats:
     decode_in_flight: int = 2
     budget_below_step: bool = False
     batch_size: int = 1
+    ranks: int = 1
+    backend: str = ""
     finish_reason: FinishReason | None = None

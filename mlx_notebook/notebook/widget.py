@@ -69,7 +69,7 @@ _PRE_STYLE = (
 
 
 def status_line(gen: Generation, ended_by: str = "") -> str:
-    """One line: id, state, tokens, tok/s, TTFT, peak memory, stop latency, error.
+    """One line: id, state, tokens, batch, ranks, tok/s, TTFT, peak memory, stop latency, error.
 
     Args:
         gen: The generation.
@@ -83,6 +83,8 @@ def status_line(gen: Generation, ended_by: str = "") -> str:
         parts.append(f"{s.cached_tokens:,} cached")
     if s.batch_size > 1:
         parts.append(f"batch {s.batch_size}")
+    if s.ranks > 1:
+        parts.append(f"{s.ranks} ranks · {s.backend}" if s.backend else f"{s.ranks} ranks")
     if s.generation_tps:
         parts.append(f"{s.generation_tps:.1f} tok/s")
     if s.ttft_s is not None:
