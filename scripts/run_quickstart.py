@@ -29,10 +29,10 @@ METADATA_KEY = "mlx_notebook"  # as in mlx_notebook/widget.py (not imported: no 
 
 
 def generations(nb: Any) -> list[dict[str, Any]]:
-    """Each ``%%mlxgen`` cell's generation: cell index, id, state and text."""
+    """Each ``%%mlxgen`` or ``%%mlxchat`` cell's generation: cell index, id, state and text."""
     found = []
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or not cell.source.lstrip().startswith("%%mlxgen"):
+        if cell.cell_type != "code" or not cell.source.lstrip().startswith(("%%mlxgen", "%%mlxchat")):
             continue
         for output in cell.get("outputs", []):
             meta = output.get("metadata", {}).get(METADATA_KEY)

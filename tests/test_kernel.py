@@ -389,8 +389,15 @@ def test_quickstart_notebook_runs_headless(model_name: str) -> None:
     # --MLXGen.model option (traitlets config from the command line).
     nb = run_quickstart.run(model=None if model_name == "default" else model_name, timeout=600)
     found = run_quickstart.generations(nb)
-    assert len(found) == 4 and all(g["text"].strip() for g in found), found
+    assert len(found) == 6 and all(g["text"].strip() for g in found), found
     assert [g["state"] for g in found][:3] == ["done", "done", "done"]
+    # The chat: two turns, the second prefilling only what is new since the first.
+    assert [g["state"] for g in found][4:] == ["done", "done"]
+    history = next(c for c in nb.cells if c.source.startswith("for message in trip.messages"))
+    printed = "".join(o.get("text", "") for o in history.outputs)
+    assert printed.count("assistant:") == 2, printed
+    cached = int(printed.rsplit("cached prompt tokens in turn 2:", 1)[1])
+    assert cached > 20, printed  # at least the first turn's prompt and answer
     if model_name == "default":  # slow enough here to be stopped and paused mid-way
         assert found[3]["state"] == "stopped"
         assert all(len(g["text"].split()) >= 3 for g in found), found
