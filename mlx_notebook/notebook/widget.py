@@ -51,6 +51,7 @@ from typing import Any
 
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
+from .disconnected import LIVE_CLASS, disconnected_note
 from .markdown_view import NO_TOKENS, OUTCOME_COLOR, MarkdownArea, final_markdown
 
 UI_CHOICES = ("auto", "widget", "text")
@@ -426,8 +427,9 @@ class WidgetView(GenerationView):
             [self.stop_button, self.pause_button, self.progress],
             layout=w.Layout(align_items="center"),
         )
+        controls.add_class(LIVE_CLASS)  # hidden once the kernel is gone (see .disconnected)
         answer = self.markdown.box if self.markdown is not None else self.text
-        parts = [controls, answer, self.status]
+        parts = [controls, answer, self.status, disconnected_note()]
         if self.notice:
             parts.append(
                 w.HTML(value=f'<span class="mlxgen-notice" style="{_NOTICE_STYLE}">{html.escape(self.notice)}</span>')

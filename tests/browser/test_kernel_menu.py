@@ -84,6 +84,7 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
     nb.run(0)
     nb.run(1)
     nb.widget(1).wait_for(lambda s: s.state == "decoding" and s.tokens >= 3, what="3 tokens")
+    assert not nb.output(1).locator(".mlxgen-disconnected").is_visible()  # only once the kernel is gone
 
     nb.menu("Kernel", "Restart Kernel…")
     dialog = lab.page.locator(".jp-Dialog")
@@ -110,6 +111,14 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
     extra_dialogs += nb.dialogs()
     assert extra_dialogs == [], extra_dialogs
     assert nb.kernel_status() == "idle"
+    # The old widget cannot hear from its kernel any more (JupyterLab disposes the
+    # comms before the restart): it says so, and its buttons and bar are gone.
+    old = nb.output(1)
+    note = old.locator(".mlxgen-disconnected")
+    note.wait_for(state="visible", timeout=10_000)
+    assert "this generation has ended" in note.inner_text()
+    assert not old.locator(".mlxgen-live").is_visible()
+    assert old.locator(".widget-vbox button:visible").count() == 0
 
     nb.fresh_kernel()
     nb.run(2)
