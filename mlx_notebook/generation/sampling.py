@@ -21,6 +21,14 @@ from .request import GenerationRequest
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+@mx.compile
+def _draw(logprobs: mx.array, inv_temp: float, key: mx.array) -> tuple[mx.array, mx.array]:
+    """The next key and a token drawn from ``logprobs / temperature`` (one fused graph, as mlx-lm's
+    compiled ``categorical_sampling``: uncompiled, the draw cost 10-20% more at a 152k vocabulary on a CPU)."""
+    key, sub = mx.random.split(key)
+    return key, mx.random.categorical(logprobs * inv_temp, key=sub)
+
+
 class Sampler:
     """``sample(logprobs) -> token`` with the generation's own PRNG key, and its logits processors.
 
@@ -67,8 +75,8 @@ class Sampler:
         for keep in self.filters:
             logprobs = keep(logprobs)
         self._before = self.key
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * self.inv_temp, key=sub)
+        self.key, token = _draw(logprobs, self.inv_temp, self.key)
+        return token
 
     def undo(self) -> None:
         """Forget the last call's key split (its token was discarded unread)."""
