@@ -52,6 +52,7 @@ from typing import Any
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
 from .disconnected import LIVE_CLASS, disconnected_note
+from .logprobs_view import TAIL_ROWS, LogprobsTable
 from .markdown_view import NO_TOKENS, OUTCOME_COLOR, MarkdownArea, final_markdown
 
 UI_CHOICES = ("auto", "widget", "text")
@@ -253,6 +254,8 @@ class GenerationView:
         self._phase = ""
         self._phase_done = 0
         self._phase_total = 0
+        # Only with --logprobs K: nothing is built or sent without it.
+        self.logprobs = LogprobsTable(gen) if gen.request.logprobs > 0 else None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -329,10 +332,19 @@ class GenerationView:
     def final_bundle(self) -> _Bundle:
         """The display once it has ended: ``text/markdown`` (with ``format="markdown"``)
         and ``text/plain``, no widget: readable without widget state."""
-        data = {"text/plain": plain_text(self.gen, self.ended_by)}
+        data = {"text/plain": self.plain_text(final=True)}
         if self.format == "markdown":
             data["text/markdown"] = final_markdown(self.gen, self.status_text())
+            if self.logprobs is not None and (table := self.logprobs.markdown()):
+                data["text/markdown"] += f"\n{table}\n"
         return _Bundle(data, self._metadata())
+
+    def plain_text(self, *, final: bool) -> str:
+        """The ``text/plain`` form; with log-probs, their table under it (the last rows until ``final``)."""
+        text = plain_text(self.gen, self.ended_by)
+        if self.logprobs is None:
+            return text
+        return f"{text}\n\n{self.logprobs.text(last=None if final else TAIL_ROWS)}"
 
     def progress_fraction(self) -> tuple[str, float]:
         """``(phase, fraction done)`` for the progress bar."""
@@ -364,7 +376,7 @@ class TextView(GenerationView):
         # client without widgets cannot do better, so it streams as plain text.
         if final:
             return self.final_bundle()
-        return _Bundle({"text/plain": plain_text(self.gen, self.ended_by)}, self._metadata())
+        return _Bundle({"text/plain": self.plain_text(final=False)}, self._metadata())
 
     def _display(self) -> None:
         from IPython.display import display
@@ -423,6 +435,7 @@ class WidgetView(GenerationView):
             layout=w.Layout(flex="1 1 auto", min_width="12em"),
         )
         self.status = w.HTML(value="")
+        self.logprobs_html = w.HTML(value="") if self.logprobs is not None else None
         controls = w.HBox(
             [self.stop_button, self.pause_button, self.progress],
             layout=w.Layout(align_items="center"),
@@ -430,6 +443,8 @@ class WidgetView(GenerationView):
         controls.add_class(LIVE_CLASS)  # hidden once the kernel is gone (see .disconnected)
         answer = self.markdown.box if self.markdown is not None else self.text
         parts = [controls, answer, self.status, disconnected_note()]
+        if self.logprobs_html is not None:
+            parts.insert(3, self.logprobs_html)
         if self.notice:
             parts.append(
                 w.HTML(value=f'<span class="mlxgen-notice" style="{_NOTICE_STYLE}">{html.escape(self.notice)}</span>')
@@ -459,7 +474,7 @@ class WidgetView(GenerationView):
 
     def _bundle(self) -> _Bundle:
         data = dict(self.box._repr_mimebundle_())
-        data["text/plain"] = plain_text(self.gen, self.ended_by)
+        data["text/plain"] = self.plain_text(final=self.gen.finished)
         return _Bundle(data, self._metadata())
 
     def _display(self) -> None:
@@ -485,6 +500,8 @@ class WidgetView(GenerationView):
                 self.text.hold_sync(),
             ):
                 self._draw_answer(final)
+                if self.logprobs is not None and self.logprobs_html is not None:
+                    self.logprobs_html.value = self.logprobs.html(final=final)
                 self._draw_buttons(state, final)
                 self.progress.description = phase
                 self.progress.value = 1.0 if state is State.DONE else fraction
@@ -503,7 +520,9 @@ class WidgetView(GenerationView):
             self.markdown.update(text, placeholder=empty)
             return
         note = f'<div class="mlxgen-empty" style="opacity: 0.6"><i>{NO_TOKENS}</i></div>' if empty else ""
-        self.text.value = f'<pre style="{_PRE_STYLE}">{html.escape(text)}</pre>{note}'
+        # Tooltips once it ends: per tick they would resend K alternatives per token.
+        shown = self.logprobs.hover(text) if final and self.logprobs is not None else html.escape(text)
+        self.text.value = f'<pre style="{_PRE_STYLE}">{shown}</pre>{note}'
 
     def _draw_buttons(self, state: State, final: bool) -> None:
         token = self.gen.token
@@ -556,6 +575,8 @@ class TerminalView(GenerationView):
             self._printed = len(text)
             if final:
                 print(f"\n[mlxgen {self.status_text()}]", flush=True)
+                if self.logprobs is not None:
+                    print(self.logprobs.text(), flush=True)
 
 
 def widgets_available() -> bool:
