@@ -250,6 +250,12 @@ def test_kernel_widget_shows_the_table_and_saves_it_as_markdown(kernel: KernelSe
     # The live widget: an HTML widget holding the whole table once it ended.
     (live,) = logprob_widgets(kernel, reply.msg_id)
     assert html_rows(live) == want and live.startswith("<details")
+    (status,) = [
+        html.unescape(re.sub(r"<[^>]+>", "", s["value"]))
+        for s in kernel.widgets(reply.msg_id).values()
+        if "mlxgen-status" in str(s.get("value", ""))
+    ]
+    assert status.startswith(f"#{kernel.eval('lp.id')} done · 5 tokens")
     # The saved output: Markdown (the answer, the status, the table) and text/plain.
     final = shown[-1]["data"]
     assert set(final) == {"text/markdown", "text/plain"}

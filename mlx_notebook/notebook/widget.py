@@ -434,8 +434,9 @@ class WidgetView(GenerationView):
             style={"description_width": "initial"},  # "load: dequantizing" in full
             layout=w.Layout(flex="1 1 auto", min_width="12em"),
         )
-        self.status = w.HTML(value="")
+        # Made before the stats line: readers of the comm state take the last plain HTML as it.
         self.logprobs_html = w.HTML(value="") if self.logprobs is not None else None
+        self.status = w.HTML(value="")
         controls = w.HBox(
             [self.stop_button, self.pause_button, self.progress],
             layout=w.Layout(align_items="center"),
