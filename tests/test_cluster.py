@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import has_default_model
+from conftest import has_default_model, needs_default_model
 
 import mlx_notebook
 from mlx_notebook import cluster
@@ -27,6 +27,7 @@ from mlx_notebook.cluster.launch import LaunchSpec
 from mlx_notebook.errors import MLXNotebookError
 from mlx_notebook.generation.handle import Generation, GenerationEvent
 from mlx_notebook.generation.request import GenerationRequest
+from mlx_notebook.notebook.widget import status_line
 from testkit.tiny_model import make_tiny_model
 
 NAME = "tiny-cluster"
@@ -189,10 +190,11 @@ def test_bad_inputs_are_one_line_errors(running, tmp_path):
         lambda: Cluster(LaunchSpec(str(three_heads), hostfile=str(tmp_path / "missing.json"))),
         lambda: Cluster(LaunchSpec("nobody/no-such-model")),
         lambda: cluster.start(str(three_heads)),  # one runs already
+        lambda: Cluster(LaunchSpec(str(three_heads), pipeline=True)),  # mlx-lm's llama has no pipeline
         lambda: Cluster(LaunchSpec(str(three_heads), ranks=2)).start(),  # 3 heads over 2 ranks
     ]
     if has_default_model():
-        cases.append(lambda: Cluster(LaunchSpec("default", ranks=2)))  # SmolLM2: 9 heads
+        cases.append(lambda: Cluster(LaunchSpec("default", ranks=2)))  # SmolLM2: 9 heads, 3 KV heads
     messages = []
     for case in cases:
         with pytest.raises(MLXNotebookError) as info:
@@ -200,7 +202,9 @@ def test_bad_inputs_are_one_line_errors(running, tmp_path):
         messages.append(str(info.value))
     assert all("\n" not in m for m in messages), messages
     assert "unknown backend" in messages[0] and "not valid" in messages[1] and "not found" in messages[2]
-    assert all("not divisible by 2" in m for m in messages[5:])
+    assert "cannot pipeline model type 'llama'" in messages[5] and "without --pipeline" in messages[5]
+    assert "not divisible by 2 ranks; no rank count above 1" in messages[6] and "pipeline" not in messages[6]
+    assert all("not divisible by 2 ranks; use 3 ranks" in m for m in messages[7:]), messages[7:]
     print("\n" + "\n".join(messages))
 
 
@@ -230,6 +234,36 @@ def test_rank_fault_fails_the_generation_then_restart(running, reference, fault)
     print(f"\nrank {fault.name}: failed after {detected:.2f} s ({gen.error}); processes gone {gone:.2f} s later")
 
 
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@needs_default_model
+def test_default_model_over_three_ranks_matches_one_process(worker):
+    """SmolLM2-135M (9 heads, 3 KV heads, MLP 1536) splits over 3 ranks, not 2.
+
+    Both sides run float32 (the CPU policy dequantizes the Q4_1 weights, on
+    the ranks before sharding). Three ranks share two cores here, so every
+    collective waits for the scheduler: the watchdog gets a minute.
+    """
+    cluster.stop()  # the tiny cluster's ranks would share the cores too
+    local = worker.submit(GenerationRequest(QUESTION, model="default", max_tokens=8))
+    local.result(300)
+    t0 = time.monotonic()
+    three = Cluster(LaunchSpec("default", ranks=3), watchdog_s=60).start()
+    started = time.monotonic() - t0
+    try:
+        gen = three.submit(GenerationRequest(QUESTION, max_tokens=8))
+        gen.result(300)
+    finally:
+        three.stop()
+    assert gen.tokens == local.tokens and gen.text == local.text, (gen.text, local.text)
+    assert gen.stats.ranks == 3 and "3 ranks · ring" in status_line(gen)
+    print(
+        f"\ndefault model, 3 ranks: started in {started:.1f} s, {gen.text!r}, TTFT {gen.stats.ttft_s:.1f} s, "
+        f"{gen.stats.generation_tps:.2f} tok/s (one process: {local.stats.generation_tps:.2f} tok/s)"
+    )
+
+
 def test_script_exit_leaves_no_process(tiny_model):
     script = textwrap.dedent(
         f"""
@@ -252,12 +286,22 @@ def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
         assert kernel.execute("%load_ext mlx_notebook").ok
         bad = kernel.execute("%mlxgen_cluster start --backend smoke --model " + tiny_model)
         assert not bad.ok and "unknown backend" in bad.content["evalue"]
+        bad = kernel.execute("%mlxgen_cluster start --pipeline --model " + tiny_model)
+        assert not bad.ok and bad.content["ename"] == "UsageError", bad.content
+        assert "cannot pipeline model type 'llama'" in bad.content["evalue"] and "\n" not in bad.content["evalue"]
         reply = kernel.execute(f"%mlxgen_cluster start -n 2 --backend ring --model {tiny_model} --name tiny", 180)
         assert reply.ok, reply.content
         assert "cluster ready" in reply.stream("stdout")
         reply = kernel.execute("%%mlxgen -m tiny -n 8 --wait -o g\nHello there", 120)
         assert reply.ok, reply.content
         assert kernel.eval("(g.state.value, g.stats.ranks, len(g.tokens))") == ("done", 2, 8)
+        # The stats line of the cell's display says where it ran.
+        shown = [
+            m["content"]["data"].get("text/plain", "")
+            for m in reply.outputs
+            if m["msg_type"] in ("display_data", "update_display_data")
+        ]
+        assert shown and "· 8 tokens · 2 ranks · ring ·" in shown[-1], shown[-1:]
         assert "ready" in kernel.execute("%mlxgen_cluster status").stream("stdout")
         pgid = kernel.eval("__import__('mlx_notebook').cluster.status().launcher_pid")
         assert group_members(pgid)

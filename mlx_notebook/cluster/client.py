@@ -47,7 +47,7 @@ from ..generation.stats import FinishReason, GenerationStats, PrefillPieces
 from ..loading.names import resolve
 from ..text_enum import TextEnum
 from .errors import ClusterError
-from .launch import Launcher, LaunchSpec, check_config, command, model_folder
+from .launch import Launcher, LaunchSpec, check_config, command, environment, model_folder
 from .protocol import PING_S, ClusterStats, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,9 @@ class Cluster:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.launcher = Launcher(command(self.spec, self.folder, connect=f"tcp://127.0.0.1:{port}"))
+        self.launcher = Launcher(
+            command(self.spec, self.folder, connect=f"tcp://127.0.0.1:{port}"), environment(self.spec)
+        )
         self._last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="mlx-notebook-cluster", daemon=True)
         self._thread.start()

@@ -110,31 +110,87 @@ def model_folder(name: str) -> Path:
     return source.path.resolve()
 
 
-def check_divisible(config: dict, ranks: int) -> None:
-    """Raise :class:`ValueError` when tensor parallelism cannot split this config's heads or MLP over ``ranks``."""
+# The config fields tensor parallelism splits over the ranks (mlx-lm's ``shard`` of llama, qwen3...).
+SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def shape_config(config: dict) -> dict:
+    """The part of a model config that holds the layer shapes (``text_config`` of a multimodal one)."""
+    inner = config.get("text_config")
+    return inner if "num_attention_heads" not in config and isinstance(inner, dict) else config
+
+
+def workable_ranks(config: dict, limit: int = 64) -> list[int]:
+    """Rank counts from 2 to ``limit`` that divide every split shape of ``config`` (heads, KV heads, MLP)."""
+    values = [v for v in (config.get(k) for k in SPLIT_KEYS) if isinstance(v, int) and v > 0]
+    return [n for n in range(2, limit + 1) if all(v % n == 0 for v in values)]
+
+
+def check_divisible(config: dict, ranks: int, *, can_pipeline: bool = True) -> None:
+    """Raise :class:`ValueError` (one line, naming rank counts that work) when ``ranks`` does not split the heads or MLP.
+
+    Args:
+        config: The model config.
+        ranks: The rank count asked for.
+        can_pipeline: Whether to suggest ``--pipeline`` when no rank count works. Default: ``True``.
+    """
+    config = shape_config(config)
     kind = config.get("model_type", "?")
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for key in SPLIT_KEYS:
         value = config.get(key)
         if isinstance(value, int) and value % ranks:
-            raise ValueError(f"model type {kind!r} has {key}={value}, not divisible by {ranks} ranks; use fewer ranks")
+            sizes = workable_ranks(config)
+            if sizes:
+                fix = f"use {' or '.join(str(n) for n in sizes[:4])} ranks"
+            else:
+                fix = "no rank count above 1 splits its heads, KV heads and MLP alike"
+                fix += "; try --pipeline" if can_pipeline else ""
+            raise ValueError(f"model type {kind!r} has {key}={value}, not divisible by {ranks} ranks; {fix}")
+
+
+def sharding_support(config: dict) -> tuple[bool, bool] | None:
+    """Whether mlx-lm's model for ``config`` has tensor parallel (``Model.shard``) and pipeline stages.
+
+    Read from mlx-lm's model module without building the model: pipeline
+    stages need a model class with ``pipeline`` (``PipelineMixin``). ``None``
+    for a model type mlx-lm does not know (the ranks' own load says what is
+    wrong then).
+    """
+    import mlx.nn as nn
+
+    try:
+        from mlx_lm.utils import _get_classes
+
+        model_class = _get_classes(config)[0]
+        arch = sys.modules[model_class.__module__]
+    except Exception:  # an unknown model type, or mlx-lm moved its helper
+        return None
+    modules = [c for c in vars(arch).values() if isinstance(c, type) and issubclass(c, nn.Module)]
+    return hasattr(model_class, "shard"), any(hasattr(c, "pipeline") for c in modules)
 
 
 def check_config(folder: Path, spec: LaunchSpec) -> None:
-    """Refuse, before anything starts, a tensor-parallel model whose shapes do not split over the ranks.
+    """Refuse, before anything starts, a model that cannot be sharded as asked over the ranks.
 
     Raises:
         ClusterError: One line, with the fix.
     """
-    if spec.pipeline:
-        return
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return  # the ranks' own load says what is wrong with the folder
+    support = sharding_support(config)
+    tensor, pipeline = support if support is not None else (True, True)
+    kind = config.get("model_type", "?")
     try:
-        check_divisible(
-            config.get("text_config", config) if "num_attention_heads" not in config else config, spec.ranks
-        )
+        if spec.pipeline and not pipeline:
+            fix = "start without --pipeline (tensor parallel)" if tensor else "mlx-lm cannot shard it at all"
+            raise ValueError(f"mlx-lm cannot pipeline model type {kind!r}: {fix}")
+        if not spec.pipeline and not tensor:
+            fix = "try --pipeline" if pipeline else "mlx-lm cannot shard it at all"
+            raise ValueError(f"mlx-lm cannot shard model type {kind!r} tensor-parallel: {fix}")
+        if not spec.pipeline:
+            check_divisible(config, spec.ranks, can_pipeline=pipeline)
     except ValueError as exc:
         raise ClusterError(f"cannot shard {spec.model!r}: {exc}") from None
 
@@ -170,19 +226,35 @@ def command(spec: LaunchSpec, folder: Path, *, connect: str) -> list[str]:
     return cmd
 
 
+def environment(spec: LaunchSpec) -> dict[str, str]:
+    """The environment of ``mlx.launch`` and its local ranks: this one, plus OpenBLAS threads shared out.
+
+    OpenBLAS starts one busy-waiting thread per core in every process; ranks
+    that share a host's cores then take turns with each other's spinning
+    threads inside every collective. So local ranks get ``cores // ranks``
+    threads each (at least one) unless ``OPENBLAS_NUM_THREADS`` is set.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if spec.hostfile is None and "OPENBLAS_NUM_THREADS" not in env:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, cores // spec.ranks))
+    return env
+
+
 class Launcher:
     """The ``mlx.launch`` process group of one cluster; its output goes to :attr:`log_path`.
 
     Args:
         cmd: The command line (see :func:`command`).
+        env: Its environment (see :func:`environment`). Default: this process's, unbuffered.
     """
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
         fd, name = tempfile.mkstemp(prefix="mlx-notebook-cluster-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
         self._log: IO[bytes] = open(self.log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = env if env is not None else dict(os.environ, PYTHONUNBUFFERED="1")
         # stdin: a pipe nobody writes to. mlx.launch forwards its stdin to the
         # ranks and spins on an end-of-file one (/dev/null).
         self.process = subprocess.Popen(

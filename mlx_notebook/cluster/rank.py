@@ -73,26 +73,44 @@ def check_shardable(model: Any, config: dict[str, Any], size: int, *, pipeline: 
     kind = config.get("model_type", type(model).__name__)
     if pipeline:
         if not hasattr(getattr(model, "model", None), "pipeline"):
-            raise ValueError(f"mlx-lm cannot pipeline model type {kind!r}; start without --pipeline (tensor parallel)")
+            raise ValueError(f"mlx-lm cannot pipeline model type {kind!r}: start without --pipeline (tensor parallel)")
         return
     if not hasattr(model, "shard"):
-        raise ValueError(f"mlx-lm cannot shard model type {kind!r} tensor-parallel; try --pipeline")
+        raise ValueError(f"mlx-lm cannot shard model type {kind!r} tensor-parallel: try --pipeline")
     check_divisible(config, size)
 
 
 def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
-    """This rank's shard of the model in ``folder`` (mlx-lm's ``sharded_load``), after the checks."""
+    """This rank's shard of the model in ``folder``, after the checks.
+
+    Pipeline stages come from mlx-lm's ``sharded_load``. Tensor parallel
+    does what it does (lazy load, ``model.shard``, evaluate, one barrier)
+    with one step more: on the CPU a quantized model is dequantized to
+    float32 before it is sharded, by the local worker's own policy
+    (:func:`~mlx_notebook.loading.policy.use_cpu_fast_path`), so the ranks run
+    the weights a single process runs (and OpenBLAS prefill).
+    """
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model, sharded_load
+    from mlx_lm.utils import dequantize_model, load_model, load_tokenizer, sharded_load
+
+    from ..loading.policy import use_cpu_fast_path
 
     start = time.perf_counter()
     model, config = load_model(folder, lazy=True, strict=False)
     check_shardable(model, config, group.size(), pipeline=pipeline)
-    if pipeline and not (folder / "model.safetensors.index.json").is_file():
-        raise ValueError("--pipeline needs a model.safetensors.index.json in the model folder (mlx-lm's sharded_load)")
-    model, tokenizer = sharded_load(
-        str(folder), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group
-    )
+    if pipeline:
+        if not (folder / "model.safetensors.index.json").is_file():
+            raise ValueError(
+                "--pipeline needs a model.safetensors.index.json in the model folder (mlx-lm's sharded_load)"
+            )
+        model, tokenizer = sharded_load(str(folder), pipeline_group=group)
+    else:
+        if use_cpu_fast_path(model):
+            dequantize_model(model)  # lazy: each rank evaluates its own slices below
+        model.shard(group)
+        mx.eval(model.parameters())
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))  # every rank loaded
+        tokenizer = load_tokenizer(folder, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
     model.eval()
     nbytes = sum(int(v.nbytes) for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     loaded = LoadedModel(
