@@ -247,6 +247,10 @@ class KernelSession:
 # -- reading a generation's widget as a frontend sees it ------------------------------------
 
 
+# HTML widgets of the view that are not its stats line: the kernel-gone note, the log-probs table.
+_NOT_STATUS = ("mlxgen-disconnected", "mlxgen-logprobs")
+
+
 def view(kernel: KernelSession, cell: str) -> dict[str, Any]:
     """The current state of the widget that cell ``cell`` displayed.
 
@@ -269,6 +273,8 @@ def view(kernel: KernelSession, cell: str) -> dict[str, Any]:
             found["empty_note"] = "mlxgen-empty" in state["value"]
         elif model == "HTMLModel" and "mlxgen-notice" in str(state.get("value", "")):
             found["notice"] = html.unescape(re.sub(r"<[^>]+>", "", state["value"]))
+        elif model == "HTMLModel" and any(c in str(state.get("value", "")) for c in _NOT_STATUS):
+            continue
         elif model == "HTMLModel":
             found["status"] = html.unescape(re.sub(r"<[^>]+>", "", state.get("value", "")))
         elif model == "ButtonModel" and state.get("tooltip", "").startswith("Stop"):
