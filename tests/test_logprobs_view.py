@@ -104,7 +104,7 @@ def generated(worker, tiny_model):
 
 def test_the_table_shows_each_token_its_logprob_and_the_alternatives(generated) -> None:
     gen, tokenizer = generated
-    assert find_tokenizer(gen) is tokenizer  # found through the worker that ran it
+    assert find_tokenizer(gen) is gen.tokenizer is tokenizer  # the model it ran on
     table = LogprobsTable(gen)
     assert table.update() == len(gen.tokens) == 24
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..control import CancelToken
 from .request import GenerationRequest
@@ -100,6 +101,7 @@ class Generation:
         self._segments: list[str] = []
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
+        self._tokenizer: Any = None
         self._listeners: list[Listener] = []
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -128,6 +130,12 @@ class Generation:
     def logprobs(self) -> list[TokenLogprobs]:
         """Per generated token (with ``logprobs=K``): its log-probability and the K most likely tokens."""
         return list(self._logprobs)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of the model it runs on (mlx-lm's wrapper), for reading ``tokens`` and
+        ``logprobs``; ``None`` until the model is loaded."""
+        return self._tokenizer
 
     @property
     def finished(self) -> bool:
@@ -228,6 +236,10 @@ class Reporter:
         if text:
             gen._segments.append(text)
         self._notify(GenerationEvent("tokens", gen, gen._state, text=text))
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The model is loaded: its tokenizer reads this generation's token ids."""
+        self.generation._tokenizer = tokenizer
 
     def add_logprobs(self, entry: TokenLogprobs) -> None:
         """Keep one token's log-probabilities (``logprobs=K``)."""

@@ -192,6 +192,7 @@ class Session:
                 gen.stats.load_s = time.perf_counter() - start
                 if self.batch is None:
                     self._open(loaded, stack)
+                reporter.set_tokenizer(loaded.tokenizer)
                 reporter.set_state(State.PREFILLING)
                 _check_logit_bias(loaded, gen.request)
                 prompt = prepare_prompt(loaded, gen.request)

@@ -288,26 +288,8 @@ def tokenizer_decode(tokenizer: Any) -> Decode:
 
 
 def find_tokenizer(gen: Generation) -> Any | None:
-    """The tokenizer of the model ``gen`` runs on, from the worker that runs it; ``None`` if not found.
-
-    Looks at the shared worker first, then every live worker, for one whose
-    history holds ``gen``, then at the models that worker has loaded.
-    """
-    from ..generation import worker as worker_module
-
-    candidates = [worker_module.default_worker(create=False), *getattr(worker_module, "_live_workers", ())]
-    for worker in candidates:
-        if worker is None or not any(g is gen for g in getattr(worker, "history", ())):
-            continue
-        try:
-            key = worker.store.resolve(gen.request.model).key
-        except Exception:
-            return None
-        for loaded in worker.store.loaded():
-            if loaded.source.key == key:
-                return loaded.tokenizer
-        return None
-    return None
+    """The tokenizer of the model ``gen`` runs on; ``None`` before that model is loaded."""
+    return gen.tokenizer
 
 
 # -- one generation's table ----------------------------------------------------------------------
