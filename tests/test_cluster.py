@@ -159,6 +159,21 @@ def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
     print(f"\nstop latency: prefill {prefill_stop * 1000:.0f} ms (budget 20 ms), decode {decode_stop * 1000:.0f} ms")
 
 
+def test_pause_while_queued_takes_effect_when_it_starts(running, reference):
+    """A pause of a generation queued on rank 0 used to be dropped: it ran to the end unpaused."""
+    blocker = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    gen.pause()
+    deadline = time.monotonic() + 30
+    while gen.state != "paused":
+        assert time.monotonic() < deadline and not gen.finished, gen.state
+        time.sleep(0.01)
+    assert blocker.state == "done" and blocker.tokens == reference and gen.tokens == []
+    gen.resume()
+    gen.result(120)
+    assert gen.tokens == reference
+
+
 def test_qwen3_greedy_tokens_match_single_process(tmp_path, worker):
     from testkit.real_tokenizer import make_real_model
 
@@ -310,3 +325,41 @@ def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
         kernel.close()
     gone = wait_gone(pgid)
     print(f"\nafter a kernel kill the cluster was gone in {gone:.2f} s")
+
+
+@pytest.mark.kernel
+def test_fault_campaign_cluster_rounds(tiny_model):
+    """A few rounds of the fault campaign's cluster rounds (``scripts/fault_campaign.py --cluster-rounds``).
+
+    A kernel with a 2-rank ring cluster: Stop click and ``gen.cancel()``,
+    pause/resume (exact tokens), interrupt of a ``--wait`` cell, pause of a
+    queued generation, and a rank killed mid-generation (one-line failure within
+    seconds, restart, same tokens); no process left after the kernel's shutdown.
+    """
+    from scripts.fault_campaign import ClusterCampaign, cluster_summary
+
+    cluster.stop()  # this process's cluster: its ranks would share the two cores
+    rounds = [
+        ("decode", "stop_click"),
+        ("prefill", "stop_cancel"),
+        ("paused", "pause_resume"),
+        ("prefill", "interrupt_wait"),
+        ("queued", "pause_resume"),
+        ("paused", "rank_kill"),  # paused: surely mid-generation when the rank dies
+    ]
+    campaign = ClusterCampaign(tiny_model, seed=7, tokens=120, seeded=False, log=print)
+    campaign.start()
+    try:
+        results = [campaign.cluster_round(i, phase, fault) for i, (phase, fault) in enumerate(rounds)]
+    finally:
+        campaign.close()
+    summary = cluster_summary(results, campaign)
+    assert not summary["with_problems"], "\n".join(r.summary() + " " + "; ".join(r.problems) for r in results)
+    assert summary["kernel_deaths"] == 0 and summary["wrong_outputs"] == 0
+    figures = summary["cluster"]
+    assert figures["orphans_at_end"] == [] and figures["stats_lines_with_ranks"] == len(rounds)
+    kill = results[-1]
+    assert kill.restart_s is not None and kill.gone_s is not None
+    if kill.landed == "paused":
+        assert kill.outcome == "failed" and kill.fail_s is not None and kill.fail_s < 10, kill
+    print(f"\ncluster rounds: {figures}")

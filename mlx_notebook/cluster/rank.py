@@ -142,6 +142,8 @@ class Inbox:
         self.socket.connect(address)
         self.requests: deque[dict[str, Any]] = deque()
         self.current: tuple[int, CancelToken] | None = None
+        # Queued generations paused from the kernel: they start paused (as on the local worker).
+        self.paused_queued: set[int] = set()
         self.shutdown = False
         self.last_heard = time.monotonic()
         # The kernel's silence counts only once the model is loaded (it may take minutes).
@@ -180,10 +182,22 @@ class Inbox:
             token = self.current[1]
             {"stop": token.cancel, "pause": token.pause, "resume": token.resume}[action]()
         elif action == "stop":
+            self.paused_queued.discard(gen_id)
             for queued in list(self.requests):
                 if int(queued["id"]) == gen_id:
                     self.requests.remove(queued)
                     self.send(ev="finish", id=gen_id, state=State.STOPPED.value, error=None)
+        elif action == "pause":
+            self.paused_queued.add(gen_id)
+        elif action == "resume":
+            self.paused_queued.discard(gen_id)
+
+    def start(self, gen_id: int, token: CancelToken) -> None:
+        """``gen_id`` runs now under ``token``: controls go to it (paused already if it was paused while queued)."""
+        self.current = (gen_id, token)
+        if gen_id in self.paused_queued:
+            self.paused_queued.discard(gen_id)
+            token.pause()  # takes effect at the first agreed checkpoint, on every rank
 
 
 class _RankSink:
@@ -286,7 +300,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, back
     )
     sink.pace = pace
     if inbox is not None:
-        inbox.current = (job.id, token)
+        inbox.start(job.id, token)
     try:
         run_job(loaded, job, pace=pace, sink=sink)
         mx.synchronize()
