@@ -17,7 +17,7 @@ Cluster rounds (``--cluster-rounds``, :class:`ClusterCampaign`) run last, in a
 kernel of their own with a 2-rank ``ring`` cluster of the tiny model
 (``%mlxgen_cluster start``): Stop (widget or ``gen.cancel()``), pause and
 resume (exact tokens, greedy or seeded), kernel interrupt of a ``--wait``
-cell, and SIGKILL of one rank (the generation fails in one line within
+cell, and SIGKILL or SIGSTOP of one rank (the generation fails in one line within
 seconds, the kernel lives, ``%mlxgen_cluster restart`` brings the cluster
 back, the old processes are gone), in prefill, decode, paused or queued.
 The process table is checked for leftover ranks after the kernel's shutdown.
@@ -103,10 +103,13 @@ CLUSTER_FAULTS = (
     "pause_resume",  # Pause, wait until paused, Resume: exactly the uninterrupted tokens
     "interrupt_wait",  # Interrupt Kernel while a --wait cell (or wait_for) waits on it
     "rank_kill",  # SIGKILL one rank; then %mlxgen_cluster restart
+    "rank_hang",  # SIGSTOP one rank (the watchdog's case); then %mlxgen_cluster restart
 )
+RANK_SIGNALS = {"rank_kill": 9, "rank_hang": 19}  # SIGKILL, SIGSTOP
 SEEDED_FLAGS = ("-t", "0.9", "--seed", "11")
 # "Within a few seconds": a dead rank is seen at once (its peers' collectives fail, or
-# mlx.launch ends the group), a hung one after the 5 s watchdog.
+# mlx.launch ends the group), a hung one after the 5 s watchdog (its process is then
+# SIGKILLed after a 2 s SIGTERM grace: a stopped process does not act on SIGTERM).
 FAIL_LIMIT_S = 10.0
 GONE_LIMIT_S = 15.0
 
@@ -140,13 +143,13 @@ def _fc_cluster_pids():
                 found[int(item[9:])] = int(entry)
     return pgid, found
 
-def _fc_rank_kill(g, rank):
-    # SIGKILL one rank; seconds until the handle ended and until the cluster counted as ended.
+def _fc_rank_kill(g, rank, sig):
+    # Signal one rank (SIGKILL, SIGSTOP); seconds until the handle ended and until the cluster counted as ended.
     pgid, pids = _fc_cluster_pids()
     running = not g.finished
     c = _fc_nb.cluster.current()
     t0 = _fc_time.monotonic()
-    _fc_os.kill(pids[rank], 9)
+    _fc_os.kill(pids[rank], sig)
     ended = g.wait(60)
     fail_s = _fc_time.monotonic() - t0
     while c.state != "ended" and _fc_time.monotonic() - t0 < 60:
@@ -179,12 +182,12 @@ class ClusterRoundResult(RoundResult):
     """A cluster round: the round's result plus the cluster figures.
 
     Args:
-        rank: The rank killed (``rank_kill``).
-        fail_s: Seconds from the kill to the failed generation (when it was running).
-        cluster_ended_s: Seconds from the kill until the kernel counted the cluster as ended.
+        rank: The rank killed (``rank_kill``) or stopped (``rank_hang``).
+        fail_s: Seconds from the signal to the failed generation (when it was running).
+        cluster_ended_s: Seconds from the signal until the kernel counted the cluster as ended.
         restart_s: Seconds of ``%mlxgen_cluster restart``.
         gone_s: Seconds from the failed generation (as the kernel saw it) until no process of the
-          killed cluster's group was left.
+          faulted cluster's group was left.
         stats_line: The widget's stats line at the end.
     """
 
@@ -362,7 +365,7 @@ class ClusterCampaign(Campaign):
 
 
 class _ClusterRound(_Round):
-    """One (phase, fault) round on the cluster: the local round's faults, plus ``stop_cancel`` and ``rank_kill``."""
+    """One (phase, fault) round on the cluster: the local round's faults, plus ``stop_cancel`` and rank faults."""
 
     c: ClusterCampaign
     r: ClusterRoundResult
@@ -370,16 +373,19 @@ class _ClusterRound(_Round):
     def fault_stop_cancel(self) -> None:
         assert self.s.execute("_fc_t.cancel()").ok
 
+    def fault_rank_hang(self) -> None:
+        self.fault_rank_kill()
+
     def fault_rank_kill(self) -> None:
         s, r = self.s, self.r
         r.rank = self.rng.randrange(CLUSTER_RANKS)
-        killed = s.eval(f"_fc_rank_kill(_fc_t, {r.rank})", timeout=120)
+        killed = s.eval(f"_fc_rank_kill(_fc_t, {r.rank}, {RANK_SIGNALS[self.fault]})", timeout=120)
         r.fail_s, r.cluster_ended_s = killed["fail_s"], killed["cluster_ended_s"]
         r.detail = killed["error"] or ""
         if killed["running"] and not killed["ended"]:
-            r.problems.append("the generation did not end within 60 s of the rank kill")
+            r.problems.append(f"the generation did not end within 60 s of the {self.fault}")
         if r.fail_s is not None and r.fail_s > FAIL_LIMIT_S:
-            r.problems.append(f"failed {r.fail_s:.1f} s after the rank kill")
+            r.problems.append(f"failed {r.fail_s:.1f} s after the {self.fault}")
         r.gone_s = wait_gone(killed["pgid"])  # the client ends the group before it fails the generations
         if r.gone_s is None:
             r.problems.append(f"processes of the killed cluster left: {group_members(killed['pgid'])}")
@@ -395,7 +401,7 @@ class _ClusterRound(_Round):
         self.c.note_cluster()
 
     def judge(self) -> None:
-        if self.fault == "rank_kill":
+        if self.fault in RANK_SIGNALS:
             self._judge_rank_kill()
         else:
             fault = self.fault
@@ -438,7 +444,7 @@ class _ClusterRound(_Round):
                     r.wrong_output = True
                     r.problems.append(f"{name} done with tokens other than the reference")
             else:
-                r.problems.append(f"{name} ended {gen['state']} after a rank kill")
+                r.problems.append(f"{name} ended {gen['state']} after {self.fault}")
 
 
 def _figures(r: RoundResult) -> str:
@@ -470,6 +476,7 @@ def cluster_summary(results: list[RoundResult], campaign: ClusterCampaign | None
     rounds = [r for r in results if isinstance(r, ClusterRoundResult)]
     stops = [(r.landed, r.stop_latency_s) for r in rounds if r.stop_latency_s is not None]
     kills = [r for r in rounds if r.fault == "rank_kill"]
+    hangs = [r for r in rounds if r.fault == "rank_hang"]
     out["cluster"] = {
         "ranks": CLUSTER_RANKS,
         "backend": "ring",
@@ -482,8 +489,11 @@ def cluster_summary(results: list[RoundResult], campaign: ClusterCampaign | None
         "rank_kill_fail_s": _spread([r.fail_s for r in kills if r.fail_s is not None]),
         "rank_kill_cluster_ended_s": _spread([r.cluster_ended_s for r in kills if r.cluster_ended_s is not None]),
         "rank_kill_errors": sorted({re.sub(r"#\d+", "#N", r.detail) for r in kills if r.detail}),
-        "restart_s": _spread([r.restart_s for r in kills if r.restart_s is not None]),
-        "old_processes_gone_s": _spread([r.gone_s for r in kills if r.gone_s is not None]),
+        "rank_hangs": len(hangs),
+        "rank_hang_fail_s": _spread([r.fail_s for r in hangs if r.fail_s is not None]),
+        "rank_hang_errors": sorted({re.sub(r"#\d+", "#N", r.detail) for r in hangs if r.detail}),
+        "restart_s": _spread([r.restart_s for r in kills + hangs if r.restart_s is not None]),
+        "old_processes_gone_s": _spread([r.gone_s for r in kills + hangs if r.gone_s is not None]),
         "stats_lines_with_ranks": sum(f"{CLUSTER_RANKS} ranks · ring" in r.stats_line for r in rounds),
     }
     if campaign is not None:
