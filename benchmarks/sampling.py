@@ -17,7 +17,9 @@ worker's thread, alternated, ``--repeats`` times after one warm-up each.
 EOS is off (``bench.open_model``), so both decode every token.
 
 Decode tok/s is (tokens - 1) / (last token time - first token time) for both
-(mlx-lm's own ``generation_tps`` counts one token more). Options mlx-lm's
+(mlx-lm's own ``generation_tps`` counts one token more), clocked as each token
+reaches Python; beside it this process's CPU time per token, which other
+processes' load on a shared machine disturbs far less than wall time. Options mlx-lm's
 ``stream_generate`` lacks are done the way its user would: a stop string by
 searching the streamed text, log-probabilities by taking the top ids from each
 response's ``logprobs`` vector. Prints one line per run and a table per model;
@@ -82,15 +84,45 @@ def options(vocab: int) -> list[Option]:
     ]
 
 
+class Clock:
+    """When each token arrived: wall time and this process's CPU time (a listener, on the worker thread)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def __call__(self, event) -> None:
+        if event.kind == "tokens" and len(event.generation.tokens) > len(self.wall):
+            self.tick()
+
+    def rates(self, t0: float) -> dict[str, Any]:
+        """Decode tok/s over the tokens after the first, CPU ms per such token, time to the first."""
+        n = len(self.wall)
+        return {
+            "decode_tps": (n - 1) / (self.wall[-1] - self.wall[0]),
+            "cpu_ms_per_token": 1000 * (self.cpu[-1] - self.cpu[0]) / (n - 1),
+            "ttft_s": self.wall[0] - t0,
+            "tokens": n,
+        }
+
+
 def ours(worker, name: str, ids: list[int], max_tokens: int, option: Option, budget: float) -> dict[str, Any]:
+    clock = Clock()
+    t0 = time.perf_counter()
     gen = mlx_notebook.generate(
         ids, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget, max_batch=1, **option.ours
     )
+    gen.add_listener(clock)  # before the first token: a prefill takes far longer than this
     gen.result()
     s = gen.stats
+    assert len(clock.wall) == s.generated_tokens, "a token was not clocked"
     if option.logprobs:
         assert len(gen.logprobs) == s.generated_tokens, "a token without its log-probabilities"
-    return {"decode_tps": s.generation_tps, "ttft_s": s.ttft_s, "tokens": s.generated_tokens}
+    return dict(clock.rates(t0), stats_decode_tps=s.generation_tps, stats_ttft_s=s.ttft_s)
 
 
 def mlx_lm(worker, name: str, ids: list[int], max_tokens: int, option: Option) -> dict[str, Any]:
@@ -103,12 +135,12 @@ def mlx_lm(worker, name: str, ids: list[int], max_tokens: int, option: Option) -
         mx.random.seed(SEED)
         sampler = make_sampler(**option.sampler)
         processors = make_logits_processors(**option.processors) if option.processors else None
-        times, text = [], ""
+        clock, text = Clock(), ""
         t0 = time.perf_counter()
         for response in stream_generate(
             loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=processors
         ):
-            times.append(time.perf_counter())
+            clock.tick()
             if option.stop:
                 text += response.text
                 if any(stop in text[-len(stop) - len(response.text) :] for stop in option.stop):
@@ -117,8 +149,7 @@ def mlx_lm(worker, name: str, ids: list[int], max_tokens: int, option: Option) -
                 lp = response.logprobs
                 top = mx.argpartition(-lp, option.logprobs - 1)[: option.logprobs]
                 [a.tolist() for a in (lp[response.token], top, lp[top])]
-        n = len(times)
-        return {"decode_tps": (n - 1) / (times[n - 1] - times[0]), "ttft_s": times[0] - t0, "tokens": n}
+        return clock.rates(t0)
 
     return worker.call(job)
 
@@ -136,12 +167,13 @@ def measure(worker, name, ids, option: Option, args) -> dict[str, Any]:
                 run = mlx_lm(worker, name, ids, args.decode_tokens, option)
             runs[who].append(run)
             print(
-                f"  {option.name:24s} {who:6s} {run['decode_tps']:8.2f} tok/s  ttft {1000 * run['ttft_s']:7.1f} ms  "
-                f"{run['tokens']} tokens",
+                f"  {option.name:24s} {who:6s} {run['decode_tps']:8.2f} tok/s  {run['cpu_ms_per_token']:7.1f} CPU ms/token  "
+                f"ttft {1000 * run['ttft_s']:7.1f} ms  {run['tokens']} tokens",
                 flush=True,
             )
     med = {
-        who: {k: statistics.median(r[k] for r in rows) for k in ("decode_tps", "ttft_s")} for who, rows in runs.items()
+        who: {k: statistics.median(r[k] for r in rows) for k in ("decode_tps", "cpu_ms_per_token", "ttft_s")}
+        for who, rows in runs.items()
     }
     return {
         "ours": runs["ours"],
@@ -149,6 +181,16 @@ def measure(worker, name, ids, option: Option, args) -> dict[str, Any]:
         "ours_decode_tps": med["ours"]["decode_tps"],
         "mlx_lm_decode_tps": med["mlx_lm"]["decode_tps"],
         "ratio": med["ours"]["decode_tps"] / med["mlx_lm"]["decode_tps"],
+        # Runs next to each other share the machine's load: the median of their ratios drifts less.
+        "pair_ratio": statistics.median(
+            a["decode_tps"] / b["decode_tps"] for a, b in zip(runs["ours"], runs["mlx_lm"])
+        ),
+        # The fastest run of each is the one other processes disturbed least.
+        "best_ratio": max(r["decode_tps"] for r in runs["ours"]) / max(r["decode_tps"] for r in runs["mlx_lm"]),
+        "ours_cpu_ms_per_token": med["ours"]["cpu_ms_per_token"],
+        "mlx_lm_cpu_ms_per_token": med["mlx_lm"]["cpu_ms_per_token"],
+        # CPU time per token counts this process's work only (not other processes' load): mlx-lm's / ours.
+        "cpu_ratio": med["mlx_lm"]["cpu_ms_per_token"] / med["ours"]["cpu_ms_per_token"],
         "ours_ttft_s": med["ours"]["ttft_s"],
         "mlx_lm_ttft_s": med["mlx_lm"]["ttft_s"],
         "tokens": sorted({r["tokens"] for rows in runs.values() for r in rows}),
@@ -159,13 +201,16 @@ def table(options: dict[str, dict[str, Any]]) -> str:
     """A Markdown table of one model's options."""
     greedy = options.get("greedy", {}).get("ours_decode_tps")
     lines = [
-        "| option | ours tok/s | mlx-lm tok/s | ours / mlx-lm | ours / our greedy | TTFT ms ours / mlx-lm |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| option | tok/s ours / mlx-lm | ratio | of pairs | of bests | CPU ms/token ours / mlx-lm "
+        "| ours / our greedy | TTFT ms ours / mlx-lm |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in options.items():
         own = f"{m['ours_decode_tps'] / greedy:.2f}x" if greedy else "-"
         lines.append(
-            f"| {name} | {m['ours_decode_tps']:.1f} | {m['mlx_lm_decode_tps']:.1f} | **{m['ratio']:.2f}x** | {own} "
+            f"| {name} | {m['ours_decode_tps']:.1f} / {m['mlx_lm_decode_tps']:.1f} | **{m['ratio']:.2f}x** "
+            f"| {m['pair_ratio']:.2f}x | {m['best_ratio']:.2f}x "
+            f"| {m['ours_cpu_ms_per_token']:.1f} / {m['mlx_lm_cpu_ms_per_token']:.1f} | {own} "
             f"| {1000 * m['ours_ttft_s']:.0f} / {1000 * m['mlx_lm_ttft_s']:.0f} |"
         )
     return "\n".join(lines)

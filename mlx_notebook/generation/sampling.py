@@ -23,8 +23,11 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 @mx.compile
 def _draw(logprobs: mx.array, inv_temp: float, key: mx.array) -> tuple[mx.array, mx.array]:
-    """The next key and a token drawn from ``logprobs / temperature`` (one fused graph, as mlx-lm's
-    compiled ``categorical_sampling``: uncompiled, the draw cost 10-20% more at a 152k vocabulary on a CPU)."""
+    """The next key and a token drawn from ``logprobs / temperature``.
+
+    Compiled, as mlx-lm's ``categorical_sampling`` is: uncompiled the draw took
+    ~10% longer (2.5 vs 2.2 ms at a 152k vocabulary on a 2-core CPU). Same tokens.
+    """
     key, sub = mx.random.split(key)
     return key, mx.random.categorical(logprobs * inv_temp, key=sub)
 
