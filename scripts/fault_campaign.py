@@ -66,6 +66,7 @@ from testkit.fault_rounds import (
     tiny_spec,
 )
 from testkit.kernel_helpers import view
+from testkit.processes import group_members
 
 EXIT_PHASES = ("load", "prefill", "decode", "paused", "queued", "idle")
 
@@ -197,21 +198,6 @@ class ClusterRoundResult(RoundResult):
     restart_s: float | None = None
     gone_s: float | None = None
     stats_line: str = ""
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live processes in process group ``pgid`` (a cluster's launcher and its local ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def rank_processes(kernel_pids: list[int]) -> list[int]:

@@ -334,3 +334,17 @@ def greedy_tokens(kernel: KernelSession, prompt: str, n: int, out: str = "ref") 
     reply = kernel.execute(f"%%mlxgen -n {n} --wait -o {out}\n{prompt}", timeout=300)
     assert reply.ok, reply.content
     return kernel.eval(f"{out}.tokens")
+
+
+def displays(kernel: KernelSession, cell: str) -> list[dict[str, Any]]:
+    """The first display of cell ``cell`` and every update of it, in order (contents)."""
+    first = [m for m in kernel.with_parent(cell) if m["msg_type"] == "display_data"]
+    assert len(first) == 1, first
+    display_id = first[0]["content"]["transient"]["display_id"]
+    with kernel._cond:
+        return [
+            m["content"]
+            for m in kernel.messages
+            if m["msg_type"] in ("display_data", "update_display_data")
+            and m["content"].get("transient", {}).get("display_id") == display_id
+        ]

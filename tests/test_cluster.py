@@ -28,26 +28,11 @@ from mlx_notebook.errors import MLXNotebookError
 from mlx_notebook.generation.handle import Generation, GenerationEvent
 from mlx_notebook.generation.request import GenerationRequest
 from mlx_notebook.notebook.widget import status_line
+from testkit.processes import group_members
 from testkit.tiny_model import make_tiny_model
 
 NAME = "tiny-cluster"
 PROMPT = "Rivers flow to the sea; name three."
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live processes in process group ``pgid`` (the launcher and its local ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def wait_gone(pgid: int, timeout: float = 15.0) -> float:

@@ -29,7 +29,7 @@ from mlx_notebook.notebook.logprobs_view import (
     token_label,
     tokenizer_decode,
 )
-from testkit.kernel_helpers import KernelSession, one_line_usage_error, view
+from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, view
 
 PROMPT = "Once upon a time the quick brown fox"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -204,20 +204,6 @@ def kernel(tiny_model: str):
         assert session.execute(code).ok
     yield session
     session.close()
-
-
-def displays(kernel: KernelSession, cell: str) -> list[dict[str, Any]]:
-    """The first display of cell ``cell`` and every update of it, in order (contents)."""
-    first = [m for m in kernel.with_parent(cell) if m["msg_type"] == "display_data"]
-    assert len(first) == 1, first
-    display_id = first[0]["content"]["transient"]["display_id"]
-    with kernel._cond:
-        return [
-            m["content"]
-            for m in kernel.messages
-            if m["msg_type"] in ("display_data", "update_display_data")
-            and m["content"].get("transient", {}).get("display_id") == display_id
-        ]
 
 
 def kernel_expected(kernel: KernelSession, name: str) -> list[dict[str, Any]]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pytest
 from conftest import has_default_model
 
 from mlx_notebook.notebook.markdown_blocks import MarkdownBlocks, close_fence
-from testkit.kernel_helpers import KernelSession, one_line_usage_error, view
+from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, view
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 CODE_PROMPT = "Write a Python function that adds two numbers. Reply with one code block."
@@ -88,20 +87,6 @@ def kernel(model_name: str):
         assert session.execute(code).ok
     yield session
     session.close()
-
-
-def displays(kernel: KernelSession, cell: str) -> list[dict[str, Any]]:
-    """The first display of cell ``cell`` and every update of it, in order (contents)."""
-    first = [m for m in kernel.with_parent(cell) if m["msg_type"] == "display_data"]
-    assert len(first) == 1, first
-    display_id = first[0]["content"]["transient"]["display_id"]
-    with kernel._cond:
-        return [
-            m["content"]
-            for m in kernel.messages
-            if m["msg_type"] in ("display_data", "update_display_data")
-            and m["content"].get("transient", {}).get("display_id") == display_id
-        ]
 
 
 def test_markdown_streams_into_output_widgets_and_ends_as_one_markdown_output(kernel: KernelSession) -> None:
