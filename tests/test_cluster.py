@@ -24,6 +24,7 @@ from mlx_notebook import cluster
 from mlx_notebook.cluster.client import Cluster
 from mlx_notebook.cluster.errors import ClusterError
 from mlx_notebook.cluster.launch import LaunchSpec
+from mlx_notebook.cluster.protocol import MAX_AHEAD
 from mlx_notebook.errors import MLXNotebookError
 from mlx_notebook.generation.handle import Generation, GenerationEvent
 from mlx_notebook.generation.request import GenerationRequest
@@ -119,10 +120,7 @@ def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
 
     gen = mlx_notebook.generate(PROMPT, **options)
     when(gen, lambda event: event.kind == "tokens" and gen.stats.generated_tokens >= 6, gen.pause)
-    deadline = time.monotonic() + 10
-    while gen.state != "paused":
-        assert time.monotonic() < deadline and not gen.finished, (gen.state, gen.stats.generated_tokens, gen.error)
-        time.sleep(0.01)
+    wait_for_state(gen, "paused")
     held = len(gen.tokens)
     time.sleep(0.3)
     assert len(gen.tokens) == held  # every rank parked: nothing runs while paused
@@ -130,6 +128,32 @@ def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
     gen.result(120)
     assert gen.tokens == whole.tokens
     print(f"\npause took effect in {gen.token.latencies('pause')[0] * 1000:.0f} ms")
+
+
+def test_pause_acts_on_what_the_kernel_saw_when_the_kernel_lags(running, tiny_model, worker):
+    """The CI failure of test_seeded_pause_resume_is_exact, made certain.
+
+    The kernel's client thread was starved (busy ranks and busy loops on 2 cores) and read
+    token 6 only after rank 0 had produced all 120: a Pause asked at token 6 then found the
+    generation done. Here a listener holds the client thread for 1 s at token 3 (a kernel that
+    lags); rank 0 may run only a few tokens ahead of what the kernel has read, so the Pause at
+    token 6 still takes effect, close to where it was asked, and resume is exact.
+    """
+    options = dict(model=NAME, max_tokens=400, temperature=0.9, seed=5)
+    whole = mlx_notebook.generate(PROMPT, **options)
+    whole.result(120)
+    assert len(whole.tokens) == 400, "the seeded run must not end early (pick another seed)"
+
+    gen = mlx_notebook.generate(PROMPT, **options)
+    when(gen, lambda event: event.kind == "tokens" and gen.stats.generated_tokens >= 3, lambda: time.sleep(1.0))
+    when(gen, lambda event: event.kind == "tokens" and gen.stats.generated_tokens >= 6, gen.pause)
+    wait_for_state(gen, "paused")
+    held = len(gen.tokens)
+    assert held <= 6 + MAX_AHEAD + 2, f"paused at token {held}: rank 0 ran ahead of the kernel"
+    gen.resume()
+    gen.result(120)
+    assert gen.tokens == whole.tokens
+    print(f"\npaused at token {held} (asked at 6)")
 
 
 def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
@@ -161,18 +185,31 @@ def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):
 
 
 def test_pause_while_queued_takes_effect_when_it_starts(running, reference):
-    """A pause of a generation queued on rank 0 used to be dropped: it ran to the end unpaused."""
+    """A pause of a generation queued on rank 0 used to be dropped: it ran to the end unpaused.
+
+    The blocker is paused first, so the second generation is certainly still queued when its
+    pause is asked (a blocker left running could end before the pause reached rank 0).
+    """
     blocker = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
+    when(blocker, lambda event: event.kind == "tokens", blocker.pause)
+    wait_for_state(blocker, "paused")
     gen = mlx_notebook.generate(PROMPT, model=NAME, max_tokens=48)
     gen.pause()
-    deadline = time.monotonic() + 30
-    while gen.state != "paused":
-        assert time.monotonic() < deadline and not gen.finished, gen.state
-        time.sleep(0.01)
+    assert gen.state == "queued", gen.state
+    blocker.resume()
+    wait_for_state(gen, "paused", timeout=60)
     assert blocker.state == "done" and blocker.tokens == reference and gen.tokens == [], (blocker.state, gen.tokens)
     gen.resume()
     gen.result(120)
     assert gen.tokens == reference
+
+
+def wait_for_state(gen: Generation, state: str, timeout: float = 30.0) -> None:
+    """Wait until ``gen`` reports ``state``; fail at once if it finished instead, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while gen.state != state:
+        assert time.monotonic() < deadline and not gen.finished, (gen.state, gen.stats.generated_tokens, gen.error)
+        time.sleep(0.01)
 
 
 def test_qwen3_greedy_tokens_match_single_process(tmp_path, worker):

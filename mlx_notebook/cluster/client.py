@@ -467,6 +467,9 @@ class Cluster:
             ids = list(msg["ids"])
             gen.stats.generated_tokens += len(ids)  # as the local engine does, before listeners hear of them
             reporter.emit(ids, str(msg["text"]))
+            if ids:
+                # After the listeners: a Pause one of them asked leaves first (the loop flushes in order).
+                self._outbox.append({"op": "seen", "id": gen.id, "n": len(gen.tokens)})
         elif ev == "progress":
             reporter.progress(str(msg["phase"]), int(msg["done"]), int(msg["total"]))
         elif ev == "stats":

@@ -7,7 +7,8 @@ broadcast through MLX collectives (:mod:`.agreement`).
 Kernel to rank 0 (``op``): ``generate`` (``id``, ``request``: the
 :class:`~mlx_notebook.generation.request.GenerationRequest` fields),
 ``control`` (``id``, ``action``: ``stop`` / ``pause`` / ``resume``),
-``ping``, ``shutdown``.
+``seen`` (``id``, ``n``: tokens the kernel has read; rank 0 stays within
+:data:`MAX_AHEAD` of it), ``ping``, ``shutdown``.
 
 Rank 0 to kernel (``ev``): ``ready`` (``ranks``, ``backend``, ``model``,
 ``load_s``), ``failed_start`` (``error``), ``pong``, ``state`` (``id``,
@@ -33,6 +34,11 @@ IDLE_TICK_S = 0.05
 # The kernel pings rank 0 this often; rank 0 answers at once while idle or
 # paused, and every piece of work ends with a message anyway.
 PING_S = 0.5
+# Rank 0 runs at most this many tokens ahead of what the kernel has read (the
+# kernel acknowledges each ``tokens`` event with ``seen``). A kernel whose client
+# thread lags (busy ranks and busy loops on the same cores: 0.35 s measured) would
+# otherwise find a Pause asked at token 6 landing after token 120.
+MAX_AHEAD = 8
 
 
 class Op:

@@ -49,7 +49,7 @@ from ..loading.names import ModelSource, SourceKind
 from ..loading.store import LoadedModel
 from .agreement import AgreedPace, broadcast_bytes, exchange
 from .launch import check_divisible
-from .protocol import IDLE_TICK_S, ClusterStats, Job, Op, pack, unpack
+from .protocol import IDLE_TICK_S, MAX_AHEAD, ClusterStats, Job, Op, pack, unpack
 
 # Rank 0 ends the cluster when the kernel has been silent this long (it pings
 # every PING_S): the kernel froze or its machine went away.
@@ -144,6 +144,8 @@ class Inbox:
         self.current: tuple[int, CancelToken] | None = None
         # Queued generations paused from the kernel: they start paused (as on the local worker).
         self.paused_queued: set[int] = set()
+        # Tokens of each generation the kernel has read (its ``seen`` acknowledgements).
+        self.seen: dict[int, int] = {}
         self.shutdown = False
         self.last_heard = time.monotonic()
         # The kernel's silence counts only once the model is loaded (it may take minutes).
@@ -168,6 +170,10 @@ class Inbox:
         op = msg.get("op")
         if op == "ping":
             self.send(ev="pong")
+        elif op == "seen":
+            gen_id = int(msg["id"])
+            if self.current is not None and self.current[0] == gen_id:  # late ones keep nothing alive
+                self.seen[gen_id] = int(msg["n"])
         elif op == "generate":
             self.requests.append(msg)
         elif op == "shutdown":
@@ -187,10 +193,30 @@ class Inbox:
                 if int(queued["id"]) == gen_id:
                     self.requests.remove(queued)
                     self.send(ev="finish", id=gen_id, state=State.STOPPED.value, error=None)
-        elif action == "pause":
-            self.paused_queued.add(gen_id)
+        elif action == "pause" and any(int(queued["id"]) == gen_id for queued in self.requests):
+            self.paused_queued.add(gen_id)  # (a pause of one that already ended has nothing to act on)
         elif action == "resume":
             self.paused_queued.discard(gen_id)
+
+    def keep_pace_with_kernel(self, gen_id: int, sent: int) -> None:
+        """Hold rank 0 (and so every rank, in the next collective) while the kernel lags.
+
+        Returns once the kernel has read all but :data:`MAX_AHEAD` of the
+        ``sent`` tokens, or a stop, pause or shutdown arrived: a Pause then
+        acts on (about) the token the user saw, not on one far ahead of it.
+        Pings are answered meanwhile, so the kernel's watchdog stays quiet.
+        """
+        while sent - self.seen.get(gen_id, 0) > MAX_AHEAD and not self.shutdown:
+            current = self.current
+            if current is None or current[1].cancelled or current[1].pause_requested:
+                return
+            self.poll(IDLE_TICK_S)
+
+    def finished(self, gen_id: int) -> None:
+        """``gen_id`` ended: forget what is kept for it."""
+        self.current = None
+        self.seen.pop(gen_id, None)
+        self.paused_queued.discard(gen_id)
 
     def start(self, gen_id: int, token: CancelToken) -> None:
         """``gen_id`` runs now under ``token``: controls go to it (paused already if it was paused while queued)."""
@@ -210,7 +236,8 @@ class _RankSink:
         self.stats: GenerationStats = self.cluster_stats  # the engine's Sink protocol
         self.pace: AgreedPace | None = None
         self.state = State.QUEUED
-        self._tokens = 0
+        self._tokens = 0  # tokens events sent
+        self._sent = 0  # token ids sent
 
     def _send(self, **message: Any) -> None:
         if self.inbox is not None:
@@ -236,8 +263,11 @@ class _RankSink:
         # The kernel counts the tokens itself; stats (rates, step times) follow now and then.
         self._send(ev="tokens", ids=token_ids, text=text)
         self._tokens += 1
+        self._sent += len(token_ids)
         if self._tokens % STATS_EVERY == 1:
             self.send_stats()
+        if self.inbox is not None:
+            self.inbox.keep_pace_with_kernel(self.id, self._sent)
 
     def finish(self, state: State, error: str | None = None, *, lost: bool = False) -> None:
         self.send_stats()
@@ -319,7 +349,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, back
         sink.finish(State.FAILED, line)
     finally:
         if inbox is not None:
-            inbox.current = None
+            inbox.finished(job.id)
         mx.clear_cache()
 
 
