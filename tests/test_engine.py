@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import mlx.core as mx
 import pytest
 
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
+from testkit.waiting import (
+    assert_stays_paused,
+    other_generation,
+    wait_for_generation,
+    wait_tokens,
+    wait_until,
+)
 
 PROMPT = "Once upon a time the quick brown fox"
 
@@ -65,24 +71,16 @@ def test_stats_are_filled(worker, tiny_model):
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}])
 def test_pause_resume_gives_uninterrupted_tokens(worker, tiny_model, sampling):
     expected = reference(worker, tiny_model, max_tokens=60, **sampling)
+    assert len(expected) == 60, "the reference meets EOS early: pauses below need room"
     gen = run(worker, tiny_model, max_tokens=60, **sampling)
     rng = random.Random(1)
-    pauses = 0
-    while not gen.finished and pauses < 5:
-        time.sleep(rng.uniform(0.0, 0.02))
+    # Pauses at random token counts, each before the end: each must take effect and hold.
+    for at in sorted(rng.sample(range(2, 50), 5)):
+        wait_tokens(gen, at)
         gen.pause()
-        deadline = time.monotonic() + 10
-        while gen.state not in ("paused",) + ("done", "stopped", "failed"):
-            assert time.monotonic() < deadline, f"pause did not take effect: {gen.state}"
-            time.sleep(0.001)
-        if gen.state == "paused":
-            pauses += 1
-            n = len(gen.tokens)
-            time.sleep(0.05)
-            assert len(gen.tokens) == n, "tokens arrived while paused"
+        assert_stays_paused(gen, lambda: other_generation(worker, tiny_model))
         gen.resume()
     gen.result(timeout=60)
-    assert pauses >= 1
     assert gen.tokens == expected
 
 
@@ -97,11 +95,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(worker, tiny_model):
 def test_stop_during_decode_keeps_partial_text_and_model(worker, tiny_model):
     expected = reference(worker, tiny_model, max_tokens=40)
     gen = run(worker, tiny_model, max_tokens=100000)
-    while len(gen.tokens) < 5:
-        assert not gen.finished
-        time.sleep(0.001)
+    wait_tokens(gen, 5)
     gen.cancel()
-    assert gen.wait(10)
+    assert gen.wait(60)
     assert gen.state == "stopped"
     assert gen.stats.finish_reason == "stopped"
     assert 0 <= gen.stats.stop_latency_s < 5
@@ -140,12 +136,12 @@ def test_stop_during_load_keeps_nothing_half_loaded(worker, tiny_model, tmp_path
 def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
     long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 300)
     gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=5, stop_budget=0.01)
-    while gen.state != "prefilling":
-        assert not gen.finished
-        time.sleep(0.0005)
-    time.sleep(0.02)
+    # Stop once a prefill chunk is done, with most of the prompt still ahead.
+    wait_for_generation(
+        gen, lambda: gen.state == "prefilling" and gen.stats.prefill_chunks >= 1, "the first prefill chunk"
+    )
     gen.cancel()
-    assert gen.wait(10)
+    assert gen.wait(60)
     assert gen.state == "stopped"
     assert gen.stats.generated_tokens == 0 and gen.stats.ttft_s is None
     # Layer pieces let a stop land inside the first chunk, so no chunk count
@@ -158,20 +154,23 @@ def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
     worker.prompt_cache_gb = 0  # the second run must prefill the prompt again
     try:
         expected = reference(worker, tiny_model, prompt=long_prompt, max_tokens=20)
+        beside = run(worker, tiny_model, max_tokens=100000)
+        wait_tokens(beside, 2)
         gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=20, stop_budget=0.005)
     finally:
         worker.prompt_cache_gb = 2
     # Pause once a prefill chunk is done and most of the prompt is still ahead
     # (right after "prefilling" the test thread may be scheduled too late).
-    while not (gen.state == "prefilling" and gen.stats.prefill_chunks >= 1):
-        assert not gen.finished
-        time.sleep(0.0005)
+    wait_for_generation(
+        gen, lambda: gen.state == "prefilling" and gen.stats.prefill_chunks >= 1, "the first prefill chunk"
+    )
+    chunks = gen.stats.prefill_chunks
     gen.pause()
-    deadline = time.monotonic() + 10
-    while gen.state != "paused":
-        assert time.monotonic() < deadline and not gen.finished
-        time.sleep(0.001)
-    assert gen.tokens == []
+    # A paused prefill runs the other rows' steps (a new generation would queue behind
+    # it): while a generation that was decoding before makes 8 more tokens, nothing moves.
+    assert_stays_paused(gen, lambda: wait_tokens(beside, len(beside.tokens) + 8))
+    assert gen.tokens == [] and gen.stats.prefill_chunks == chunks
+    beside.cancel()
     gen.resume()
     gen.result(timeout=60)
     assert gen.tokens == expected
@@ -302,8 +301,7 @@ def test_listener_errors_do_not_break_generation(worker, tiny_model):
 def test_worker_shutdown_cancels_and_joins(tiny_model):
     w = mlx_notebook.Worker()
     gen = mlx_notebook.generate(PROMPT, model=tiny_model, worker=w, max_tokens=100000)
-    while len(gen.tokens) < 2:
-        time.sleep(0.001)
+    wait_tokens(gen, 2)
     assert w.shutdown(timeout=30)
     assert gen.state == "stopped" and not w.alive
     with pytest.raises(RuntimeError, match="shut down"):
@@ -315,10 +313,9 @@ def test_memory_returns_to_baseline_after_stops(worker, tiny_model):
     base = worker.call(lambda store: mx.get_active_memory())
     for _ in range(3):
         gen = run(worker, tiny_model, max_tokens=100000)
-        while len(gen.tokens) < 3:
-            time.sleep(0.001)
+        wait_tokens(gen, 3)
         gen.cancel()
-        gen.wait(10)
+        assert gen.wait(60) and gen.state == "stopped"
     after = worker.call(lambda store: mx.get_active_memory())
     assert after <= base * 1.05 + 1_000_000
 
@@ -328,13 +325,11 @@ def test_freed_cache_is_returned_once_the_worker_is_idle(worker, tiny_model):
     moment after the stop (so a thread woken by the stop is not kept waiting
     for the GIL while GBs are returned to the device)."""
     gen = run(worker, tiny_model, prompt=" ".join(["word"] * 200), max_tokens=100000)
-    while len(gen.tokens) < 3:
-        time.sleep(0.001)
+    wait_tokens(gen, 3)
     gen.cancel()
-    assert gen.wait(10) and gen.state == "stopped"
-    time.sleep(0.3)  # longer than the worker's idle delay
+    assert gen.wait(60) and gen.state == "stopped"
     # Read from this thread: a worker.call would itself make the worker clean up.
-    assert mx.get_cache_memory() < 1_000_000, mx.get_cache_memory()
+    wait_until(lambda: mx.get_cache_memory() < 1_000_000, 30, "the idle worker to free the cache")
 
 
 def test_layer_groups_shrink_as_the_context_grows(tiny_model):
@@ -379,13 +374,9 @@ def test_decode_keeps_one_step_in_flight_when_two_do_not_fit(worker, tiny_model)
 def test_pause_resume_is_exact_with_one_step_in_flight(worker, tiny_model, sampling):
     expected = reference(worker, tiny_model, max_tokens=30, stop_budget=1e-7, **sampling)
     gen = run(worker, tiny_model, max_tokens=30, stop_budget=1e-7, **sampling)
-    while len(gen.tokens) < 5 and not gen.finished:
-        time.sleep(0.0005)
+    wait_tokens(gen, 5)
     gen.pause()
-    deadline = time.time() + 30
-    while gen.state != "paused" and time.time() < deadline:
-        time.sleep(0.001)
-    assert gen.state == "paused"
+    assert_stays_paused(gen, lambda: other_generation(worker, tiny_model))
     gen.resume()
     gen.result(timeout=60)
     assert gen.tokens == expected
@@ -418,8 +409,7 @@ def test_wired_limit_on_metal_is_raised_and_restored_after_a_sync(worker, tiny_m
     # A stop restores it too.
     calls.clear()
     gen = run(worker, tiny_model, max_tokens=100000)
-    while len(gen.tokens) < 3:
-        time.sleep(0.001)
+    wait_tokens(gen, 3)
     gen.cancel()
     assert gen.wait(30) and gen.state == "stopped"
     worker.call(lambda store: None, timeout=30)
