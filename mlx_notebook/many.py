@@ -181,12 +181,14 @@ def generate_many(prompts: Iterable[str | list[int]], *, worker: Worker | None =
             request.validate()
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"prompts[{index}]: {exc}") from None
+    from .cluster.routing import submit  # a running cluster's model runs on its ranks
+
     worker = worker or _default_worker()
-    worker.store.resolve(requests[0].model)  # one model for all: a bad name is one error, not N
-    submitted: list[Generation] = []
+    first = submit(requests[0], worker)  # one model for all: a bad name is one error, not N
+    submitted: list[Generation] = [first]
     try:
-        for request in requests:
-            submitted.append(worker.submit(request))
+        for request in requests[1:]:
+            submitted.append(submit(request, worker))
     except BaseException:
         # All or nothing (a worker shut down meanwhile, an interrupt): take back what went in.
         Batch(submitted).cancel()

@@ -358,6 +358,10 @@ class Cluster:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        # Rank 0 runs on this host: its connection closes the moment its process ends
+        # (SIGKILL included; ~20 ms measured), long before mlx.launch ends the group (0.3-2.3 s).
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(monitor, zmq.POLLIN)
         last_ping = 0.0
 
         def flush() -> None:
@@ -378,6 +382,10 @@ class Cluster:
                     # A stop or pause (asked by a listener, or any thread) leaves at once,
                     # not after a backlog of tokens has been read.
                     flush()
+                while monitor.poll(0, zmq.POLLIN):
+                    monitor.recv_multipart()  # the only event asked for: a disconnect
+                    if self.state is ClusterState.READY and not self._stopping:
+                        self._fault("rank 0 is gone (its connection to the kernel closed)")
                 now = time.monotonic()
                 if now - last_ping >= PING_S and self.state is ClusterState.READY:
                     _send_now(sock, {"op": "ping"})
@@ -390,10 +398,14 @@ class Cluster:
         finally:
             # A moment for the last messages (shutdown, stops) to leave; then whatever is still
             # unfinished ends here: stopped if a stop was asked, failed otherwise.
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=500 if self._stopping else 0)
             launcher = self.launcher
             if launcher is not None:
-                launcher.stop(timeout=5.0 if self._stopping else 0.0)
+                # A fault: the group can run nothing more, and a rank stuck in a collective would
+                # sit out a SIGTERM grace; end it at once (the generations fail after it is gone).
+                launcher.stop(timeout=5.0) if self._stopping else launcher.kill()
             # After the ranks are gone: nothing is in flight when a generation is reported ended.
             self._end(self.error or "the cluster was stopped")
             with self._lock:

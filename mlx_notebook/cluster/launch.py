@@ -325,6 +325,14 @@ class Launcher:
             self.process.stdin.close()
         self._log.close()
 
+    def kill(self) -> None:
+        """End the whole process group now (SIGKILL) and wait for the launcher (a fault: nothing to save)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.stop(timeout=0.0)
+
     def _group_alive(self) -> bool:
         try:
             os.killpg(self.process.pid, 0)

@@ -110,7 +110,8 @@ def load_shard(folder: Path, group: Any, *, pipeline: bool) -> LoadedModel:
         model.shard(group)
         mx.eval(model.parameters())
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))  # every rank loaded
-        tokenizer = load_tokenizer(folder, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
+        # As the local loader: a model folder's own Python code never runs unasked.
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     model.eval()
     nbytes = sum(int(v.nbytes) for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     loaded = LoadedModel(

@@ -2,9 +2,12 @@
 
 One cluster per process, like :func:`mlx_notebook.default_worker`: started
 with :func:`start`, asked with :func:`current` / :func:`status`, ended with
-:func:`stop`. :func:`submit` is the one hook the API and the magic call
-instead of ``worker.submit``: a request whose model the running cluster
-serves goes there, any other to the worker.
+:func:`stop`. This module is the one place that decides "worker or
+cluster?": :func:`submit` (the API, chats, ``generate_many`` and the magic
+call it instead of ``worker.submit``: a request whose model the running
+cluster serves goes there, any other to the worker), :func:`active`,
+:func:`history` and :func:`cancel_all` (the job magics and the kernel's
+interrupt hook see both).
 
 Example::
 
@@ -117,3 +120,26 @@ def submit(request: GenerationRequest, worker: Worker) -> Generation:
     if cluster is not None and cluster.serves(request.model):
         return cluster.submit(request)
     return worker.submit(request)
+
+
+def active(worker: Worker | None) -> list[Generation]:
+    """The unfinished generations of ``worker`` (when there is one) and of the cluster."""
+    found = worker.active() if worker is not None else []
+    cluster = _current
+    return found + (cluster.active() if cluster is not None else [])
+
+
+def history(worker: Worker | None) -> list[Generation]:
+    """Every generation submitted to ``worker`` and to the cluster, oldest first."""
+    found = list(worker.history) if worker is not None else []
+    cluster = _current
+    if cluster is not None:
+        found += cluster.history
+    return sorted(found, key=lambda gen: gen.id)
+
+
+def cancel_all(worker: Worker | None) -> list[Generation]:
+    """Stop every unfinished generation, on ``worker`` and on the cluster; return them."""
+    stopped = worker.cancel_all() if worker is not None else []
+    cluster = _current
+    return stopped + (cluster.cancel_all() if cluster is not None else [])
