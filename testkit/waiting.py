@@ -92,6 +92,16 @@ def wait_state(gen: mlx_notebook.Generation, state: str, timeout: float = DEFAUL
     wait_for_generation(gen, lambda: gen.state == state, f"generation #{gen.id} {state}", timeout)
 
 
+def wait_prefill_chunks(gen: mlx_notebook.Generation, n: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait until ``gen`` is prefilling with at least ``n`` prefill chunks done (most of a long prompt still ahead)."""
+    wait_for_generation(
+        gen,
+        lambda: gen.state == "prefilling" and gen.stats.prefill_chunks >= n,
+        f"{n} prefill chunks of #{gen.id}",
+        timeout,
+    )
+
+
 def assert_stays_paused(gen: mlx_notebook.Generation, meanwhile: Callable[[], Any], timeout: float = 60.0) -> int:
     """Assert that a pause requested on ``gen`` took effect and holds; return its token count.
 

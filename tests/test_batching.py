@@ -15,6 +15,7 @@ import time
 import pytest
 
 import mlx_notebook
+from testkit.waiting import assert_stays_paused, wait_prefill_chunks, wait_tokens
 
 # Prompts of different lengths: the batch's rows are left-padded differently.
 PROMPTS = [
@@ -65,11 +66,10 @@ def test_rows_of_a_batch_give_their_solo_tokens(worker, tiny_model, solo):
 def test_stop_of_one_row_leaves_the_others_unchanged(worker, tiny_model, solo):
     gens = submit_all(worker, tiny_model, max_tokens=24)
     victim = gens[1]
-    while len(victim.tokens) < 3 and not victim.finished:
-        time.sleep(0.001)
+    wait_tokens(victim, 3)
     victim.cancel()
     for gen in gens:
-        gen.wait(120)
+        assert gen.wait(120)
     assert victim.state == "stopped"
     assert victim.tokens == solo[PROMPTS[1], None][: len(victim.tokens)]
     for prompt, gen in zip(PROMPTS, gens):
@@ -81,18 +81,10 @@ def test_stop_of_one_row_leaves_the_others_unchanged(worker, tiny_model, solo):
 def test_pause_of_one_row_parks_it_and_resume_is_exact(worker, tiny_model, solo, seed):
     gens = submit_all(worker, tiny_model, seed=seed, max_tokens=24)
     paused = gens[0]
-    while len(paused.tokens) < 4 and not paused.finished:
-        time.sleep(0.001)
+    wait_tokens(paused, 4)
     paused.pause()
-    deadline = time.monotonic() + 30
-    while paused.state != "paused" and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert paused.state == "paused"
-    held = len(paused.tokens)
-    # The others go on while it is parked.
-    for gen in gens[1:]:
-        gen.result(timeout=120)
-    assert len(paused.tokens) == held
+    # The others go on to their end while it is parked, and it does not move.
+    assert_stays_paused(paused, lambda: [gen.result(timeout=120) for gen in gens[1:]])
     paused.resume()
     paused.result(timeout=120)
     for prompt, gen in zip(PROMPTS, gens):
@@ -101,13 +93,12 @@ def test_pause_of_one_row_parks_it_and_resume_is_exact(worker, tiny_model, solo,
 
 def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
     first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=400)
-    while len(first.tokens) < 5:
-        time.sleep(0.001)
+    wait_tokens(first, 5)
     second = mlx_notebook.generate(PROMPTS[1], model=tiny_model, worker=worker, max_tokens=24)
     second.result(timeout=120)
     assert not first.finished, "the second waited for the first instead of joining"
     first.cancel()
-    first.wait(60)
+    assert first.wait(60)
     assert second.tokens == solo[PROMPTS[1], None]
     assert first.tokens[:24] == solo[PROMPTS[0], None]
     assert second.stats.batch_size == 2
@@ -115,18 +106,30 @@ def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
 
 def test_max_batch_one_runs_alone(worker, tiny_model, solo):
     gens = submit_all(worker, tiny_model, max_batch=1)
+    spans: dict[int, list[float]] = {}
+
+    def track(event):
+        # When each generation started and ended (listeners run on the worker thread, in order).
+        if event.kind == "state" and event.state in ("loading", "prefilling", "done"):
+            spans.setdefault(event.generation.id, []).append(time.perf_counter())
+
+    for gen in gens:
+        gen.add_listener(track)
     for gen in gens:
         gen.result(timeout=120)
     assert [g.stats.batch_size for g in gens] == [1, 1, 1, 1]
-    # One at a time, in order.
-    ends = [g.stats.ttft_s for g in gens]
-    assert all(e is not None for e in ends)
+    assert [g.tokens for g in gens] == [solo[p, None] for p in PROMPTS]
+    # One at a time, in order: each began after the one before it ended (the first may
+    # have begun before its listener was attached).
+    for before, after in zip(gens[1:], gens[2:]):
+        assert spans[before.id][-1] <= spans[after.id][0], (spans[before.id], spans[after.id])
+    assert spans[gens[0].id][-1] <= spans[gens[1].id][0]
 
 
 def test_stop_all_ends_every_row_and_the_worker_goes_on(worker, tiny_model, solo):
     gens = submit_all(worker, tiny_model, max_tokens=10_000)
-    while any(len(g.tokens) < 2 for g in gens[:2]):
-        time.sleep(0.001)
+    for gen in gens[:2]:
+        wait_tokens(gen, 2)
     gens[3].pause()
     stopped = worker.cancel_all()
     assert set(map(id, gens)) <= set(map(id, stopped))
@@ -148,7 +151,7 @@ def test_random_controls_on_random_rows_keep_every_row_exact(worker, tiny_model,
             getattr(gen, action)() if action != "wait" else time.sleep(0.003)
         for gen in gens:
             gen.resume()
-            gen.wait(120)
+            assert gen.wait(120)
         for prompt, gen in zip(PROMPTS, gens):
             assert gen.state in ("done", "stopped")
             expected = solo[prompt, 3]
@@ -199,11 +202,10 @@ def test_stopped_prefill_frees_its_cache_without_a_garbage_collection(tiny_model
         gc.disable()
         for i in range(4):
             gen = mlx_notebook.generate(long, model=tiny_model, worker=worker, max_tokens=4, stop_budget=0.005)
-            while gen.state != "prefilling" and not gen.finished:
-                time.sleep(0.0005)
-            time.sleep(0.002 * i)
+            # Stops at different points of the prefill: after 0, 1, 2, 3 chunks.
+            wait_prefill_chunks(gen, i)
             gen.cancel()
-            gen.wait(60)
+            assert gen.wait(60)
             worker.call(lambda store: None)  # the session has ended
             assert worker.call(lambda store: mx.get_active_memory()) == base
     finally:

@@ -18,7 +18,7 @@ from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundEr
 from testkit.waiting import (
     assert_stays_paused,
     other_generation,
-    wait_for_generation,
+    wait_prefill_chunks,
     wait_tokens,
     wait_until,
 )
@@ -137,9 +137,7 @@ def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
     long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 300)
     gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=5, stop_budget=0.01)
     # Stop once a prefill chunk is done, with most of the prompt still ahead.
-    wait_for_generation(
-        gen, lambda: gen.state == "prefilling" and gen.stats.prefill_chunks >= 1, "the first prefill chunk"
-    )
+    wait_prefill_chunks(gen, 1)
     gen.cancel()
     assert gen.wait(60)
     assert gen.state == "stopped"
@@ -161,9 +159,7 @@ def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
         worker.prompt_cache_gb = 2
     # Pause once a prefill chunk is done and most of the prompt is still ahead
     # (right after "prefilling" the test thread may be scheduled too late).
-    wait_for_generation(
-        gen, lambda: gen.state == "prefilling" and gen.stats.prefill_chunks >= 1, "the first prefill chunk"
-    )
+    wait_prefill_chunks(gen, 1)
     chunks = gen.stats.prefill_chunks
     gen.pause()
     # A paused prefill runs the other rows' steps (a new generation would queue behind
