@@ -11,6 +11,10 @@ The history is plain data: ``chat.messages`` is a list of
 ``{"role", "content"}`` dicts you may edit; an answer that was stopped carries
 ``"stopped": True`` (or is dropped, with ``keep_stopped=False``). A turn that
 fails takes its user message back out, so the history is as before the send.
+A reasoning model's thinking is kept apart, as the answer's ``"reasoning"``:
+the next turns send it back only to chat templates that read it (as
+``reasoning_content``, Qwen3's and DeepSeek's); others get the answer alone,
+as the model was trained to see its past turns.
 
 Example::
 
@@ -130,7 +134,7 @@ class Chat:
         with self._lock:
             self._check_idle("send")
             # Copies: later edits of the history do not reach the queued request.
-            prompt: list[dict[str, Any]] = [{"role": m.get("role"), "content": m.get("content")} for m in self.messages]
+            prompt: list[dict[str, Any]] = [_sent(m) for m in self.messages]
             prompt.append(dict(user))
             request = GenerationRequest(prompt, model=self.model, system=self.system, **options)
             from .cluster.routing import submit  # a chat on a running cluster's model runs on its ranks
@@ -255,6 +259,8 @@ class Chat:
                     del self.messages[at]
                 return
             answer: dict[str, Any] = {"role": "assistant", "content": gen.text}
+            if gen.reasoning:
+                answer["reasoning"] = gen.reasoning
             if gen.state is State.STOPPED:
                 answer["stopped"] = True
             self.messages.insert(len(self.messages) if at is None else at + 1, answer)
@@ -284,10 +290,21 @@ def _checked_messages(messages: Any, path: str | Path) -> list[dict[str, Any]]:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise InvalidArgumentError(f"{path}: message {i} must be an object with 'role' and 'content' strings")
         kept = {"role": m["role"], "content": m["content"]}
+        if isinstance(m.get("reasoning"), str) and m["reasoning"]:
+            kept["reasoning"] = m["reasoning"]
         if m.get("stopped"):
             kept["stopped"] = True
         out.append(kept)
     return out
+
+
+def _sent(message: dict[str, Any]) -> dict[str, Any]:
+    """What a history message contributes to a prompt: role, content, and its reasoning (the prompt code
+    passes that on only to templates that read it)."""
+    sent = {"role": message.get("role"), "content": message.get("content")}
+    if message.get("reasoning"):
+        sent["reasoning"] = message["reasoning"]
+    return sent
 
 
 def _default_worker() -> Worker:

@@ -8,6 +8,7 @@ models, so the whole load path (config, safetensors, tokenizer) is exercised.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -34,8 +35,14 @@ def make_tiny_model(
     vocab: int = 384,
     seed: int = 0,
     dtype: str = "float32",
+    special_tokens: Sequence[str] = (),
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
-    """Write a random-weight llama model and tokenizer into ``folder``."""
+    """Write a random-weight llama model and tokenizer into ``folder``.
+
+    ``special_tokens`` are added to the tokenizer's own (e.g. ``<think>``,
+    ``</think>``); ``chat_template`` replaces the ChatML one.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -48,7 +55,7 @@ def make_tiny_model(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -63,7 +70,7 @@ def make_tiny_model(
                 "eos_token": "<|im_end|>",
                 "unk_token": "<|endoftext|>",
                 "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
                 "model_max_length": 4096,
             }
         )

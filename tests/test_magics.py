@@ -24,6 +24,7 @@ import mlx_notebook
 from mlx_notebook.generation.request import DEFAULT_MAX_BATCH
 from mlx_notebook.notebook.extension import load, loaded_magics, unload
 from mlx_notebook.notebook.interpolate import UnknownVariableError, interpolate, placeholders
+from mlx_notebook.notebook.job_magics import JobMagics
 from mlx_notebook.notebook.kernel_hooks import shutdown_worker, wait_for
 from mlx_notebook.notebook.magics import MLXGen
 from mlx_notebook.notebook.widget import (
@@ -45,15 +46,18 @@ def ip() -> Any:
 
 @pytest.fixture()
 def magics(ip: Any, worker: mlx_notebook.Worker, tiny_model: str) -> Iterator[MLXGen]:
-    """MLXGen on the test worker and the tiny model, registered in the shell."""
+    """MLXGen (and the job magics on its worker) on the test worker and the tiny model, registered in the shell."""
     m = MLXGen(shell=ip, worker=worker)
     m.model = tiny_model
-    ip.register_magics(m)
+    jobs = JobMagics(ip, m)
+    for registered in (m, jobs):
+        ip.register_magics(registered)
     yield m
-    ip.magics_manager.registry.pop("MLXGen", None)
-    for kind, names in m.magics.items():
-        for name in names:
-            ip.magics_manager.magics[kind].pop(name, None)
+    for registered in (m, jobs):
+        ip.magics_manager.registry.pop(type(registered).__name__, None)
+        for kind, names in registered.magics.items():
+            for name in names:
+                ip.magics_manager.magics[kind].pop(name, None)
     if m in ip.configurables:
         ip.configurables.remove(m)
 

@@ -4,7 +4,7 @@
   "stopped: kernel restarted" with its buttons off, and the display is left
   with the text so far as a real output.
 * Interrupt Kernel during a ``--wait`` cell: one line, not a traceback.
-* A stop before any token: "(no tokens yet)" instead of a gap.
+* A stop before any token: "(stopped before the first token)" instead of a gap.
 * ``import mlx.core`` before ``%load_ext``: one line with the fix, at load and
   in the first widget; the ``mlx-notebook`` kernel spec makes the order moot.
 * Loading: progress per step ("reading", "dequantizing", ...), each monotonic.
@@ -127,7 +127,7 @@ def test_a_stop_before_any_token_says_so(kernel: KernelSession, format: str) -> 
     assert shown["text"] == ""  # the placeholder is not taken for text
     final = _final_display(kernel, reply.msg_id)["data"]
     if format == "markdown":
-        assert final["text/markdown"].startswith("*(no tokens yet)*")
+        assert final["text/markdown"].startswith("*(stopped before the first token)*")
     else:
         assert shown["empty_note"]
 

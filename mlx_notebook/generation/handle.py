@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..control import CancelToken
+from .reasoning import TextChannels, ThinkTags, TokenChannels, opens_thinking, think_tags
 from .request import GenerationRequest
 from .states import State
 from .stats import FinishReason, GenerationStats
@@ -36,7 +37,7 @@ class GenerationEvent:
         kind: ``"state"``, ``"progress"`` or ``"tokens"``.
         generation: The generation it is about.
         state: The state after the event.
-        text: For ``"tokens"``: the new text. Default: ``""``.
+        text: For ``"tokens"``: the new text of the answer. Default: ``""``.
         phase: For ``"progress"``: ``"load"`` or ``"prefill"``. Default: ``""``.
         done: For ``"progress"``: bytes (load) or tokens (prefill) done. Default: ``0``.
         total: For ``"progress"``: the total of the same. Default: ``0``.
@@ -49,6 +50,7 @@ class GenerationEvent:
     phase: str = ""
     done: int = 0
     total: int = 0
+    reasoning: str = ""  # for "tokens": the new text of the reasoning
 
 
 Listener = Callable[[GenerationEvent], None]
@@ -64,11 +66,13 @@ class TokenLogprobs:
           penalty, before temperature and the top-p / min-p / top-k filters,
           as mlx-lm reports it).
         top: ``(token_id, logprob)`` of the most likely tokens, most likely first.
+        reasoning: Whether the token is part of the reasoning (not the answer). Default: ``False``.
     """
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    reasoning: bool = False
 
 
 class Generation:
@@ -99,6 +103,8 @@ class Generation:
         self._on_cancel = on_cancel
         self._state = State.QUEUED
         self._segments: list[str] = []
+        self._reasoning: list[str] = []
+        self._thinking = False
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
         self._tokenizer: Any = None
@@ -118,8 +124,21 @@ class Generation:
 
     @property
     def text(self) -> str:
-        """The text generated so far (readable at any time, also after a stop)."""
+        """The answer generated so far (readable at any time, also after a stop).
+
+        A reasoning model's thinking is not in it: see :attr:`reasoning`.
+        """
         return "".join(self._segments)
+
+    @property
+    def reasoning(self) -> str:
+        """What a reasoning model wrote between its thinking tags so far (``""`` for other models)."""
+        return "".join(self._reasoning)
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the model is inside its reasoning now (the answer has not started)."""
+        return self._thinking
 
     @property
     def tokens(self) -> list[int]:
@@ -210,6 +229,11 @@ class Reporter:
         # The resolved model (``ModelSource.key``): the worker batches
         # generations of the same one together.
         self.model_key = model_key
+        # The reasoning channel: the tags come with the tokenizer, the start state with the prompt.
+        self._tags: ThinkTags | None = None
+        self._text = TextChannels(None)
+        self._tokens = TokenChannels(None)
+        self._reasoning_start: float | None = None
 
     @property
     def state(self) -> State:
@@ -230,24 +254,62 @@ class Reporter:
         self._notify(GenerationEvent("progress", gen, gen._state, phase=phase, done=done, total=total))
 
     def emit(self, token_ids: list[int], text: str) -> None:
-        """Append generated tokens and their text."""
+        """Append generated tokens and their text (split into reasoning and answer)."""
+        reasoning, answer = self.split(text)
+        self.emit_split(token_ids, reasoning, answer)
+
+    def split(self, text: str) -> tuple[str, str]:
+        """The reasoning and the answer in the next piece of text (for readers of the answer alone, e.g. stop strings)."""
+        return self._text.split(text)
+
+    def emit_split(self, token_ids: list[int], reasoning: str, answer: str) -> None:
+        """Append generated tokens, and text already split by :meth:`split`."""
         gen = self.generation
         gen._tokens.extend(token_ids)
-        if text:
-            gen._segments.append(text)
-        self._notify(GenerationEvent("tokens", gen, gen._state, text=text))
+        stats = gen.stats
+        now = time.perf_counter()
+        thought = False
+        for token in token_ids:
+            if self._tokens.feed(token):
+                thought = True
+                stats.reasoning_tokens += 1
+                if self._reasoning_start is None:
+                    self._reasoning_start = now
+        if thought and self._reasoning_start is not None:
+            # Clocked to the last reasoning token: frozen once the block closes.
+            stats.reasoning_s = now - self._reasoning_start
+        gen._thinking = self._tokens.reasoning
+        if reasoning:
+            gen._reasoning.append(reasoning)
+        if answer:
+            gen._segments.append(answer)
+        self._notify(GenerationEvent("tokens", gen, gen._state, text=answer, reasoning=reasoning))
 
     def set_tokenizer(self, tokenizer: Any) -> None:
-        """The model is loaded: its tokenizer reads this generation's token ids."""
+        """The model is loaded: its tokenizer reads this generation's token ids (and says its thinking tags)."""
         self.generation._tokenizer = tokenizer
+        self._tags = think_tags(tokenizer)
+        self.set_prompt([])
+
+    def set_prompt(self, prompt: list[int]) -> None:
+        """The prompt's tokens: the reasoning channel starts open when the chat template opened the block."""
+        open_ = opens_thinking(self._tags, prompt)
+        self._text = TextChannels(self._tags, open_)
+        self._tokens = TokenChannels(self._tags, open_)
+        self.generation._thinking = open_
 
     def add_logprobs(self, entry: TokenLogprobs) -> None:
-        """Keep one token's log-probabilities (``logprobs=K``)."""
+        """Keep one token's log-probabilities (``logprobs=K``), marked reasoning or answer."""
+        entry.reasoning = self._tokens.peek(entry.token)
         self.generation._logprobs.append(entry)
 
     def finish(self, state: State, error: BaseException | None = None) -> None:
         """Enter a final state (after the stream was synchronized) and wake the waiters."""
         gen = self.generation
+        reasoning, answer = self._text.flush()  # a piece held back as the possible start of a tag
+        if reasoning or answer:
+            self.emit_split([], reasoning, answer)
+        gen._thinking = False
         gen.error = error
         if state is State.STOPPED:
             gen.stats.finish_reason = FinishReason.STOPPED

@@ -1,5 +1,11 @@
 """The prompt as token ids: chat template or not, then the context-length check.
 
+The chat template gets the request's ``chat_template_kwargs`` and, when
+``thinking`` is set, ``enable_thinking`` (mlx-lm's wrapper renames it for
+templates that call it ``thinking``; left unset, the template's default).
+An assistant message's ``reasoning`` reaches the template as
+``reasoning_content`` only when the template reads that name.
+
 This module never imports IPython or ipywidgets.
 """
 
@@ -23,14 +29,15 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> list[int]
             raise InvalidArgumentError(
                 "this model has no chat template, which a list of messages needs: give a text prompt"
             )
-        ids = _chat_ids(tokenizer, _with_system(request.prompt, request.system))
+        ids = _chat_ids(tokenizer, _with_system(request.prompt, request.system), template_kwargs(request))
     elif isinstance(request.prompt, (list, tuple)):
         ids = list(cast("list[int]", request.prompt))
         vocab = loaded.config.get("vocab_size")
         if isinstance(vocab, int) and max(ids) >= vocab:
             raise InvalidArgumentError(f"token id {max(ids)} is outside the model's vocabulary of {vocab}")
     elif request.chat and getattr(tokenizer, "has_chat_template", False):
-        ids = _chat_ids(tokenizer, _with_system([{"role": "user", "content": request.prompt}], request.system))
+        messages = [{"role": "user", "content": request.prompt}]
+        ids = _chat_ids(tokenizer, _with_system(messages, request.system), template_kwargs(request))
     else:
         text = request.prompt if request.system is None else f"{request.system}\n\n{request.prompt}"
         with _no_length_warning():
@@ -53,12 +60,34 @@ def _with_system(messages: list[dict[str, str]], system: str | None) -> list[dic
     return [{"role": "system", "content": system}, *messages]
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def template_kwargs(request: GenerationRequest) -> dict[str, Any]:
+    """What the chat template gets besides the messages: ``chat_template_kwargs``, then ``enable_thinking``."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.thinking is not None:
+        kwargs["enable_thinking"] = request.thinking
+    return kwargs
+
+
+def takes_reasoning(tokenizer: Any) -> bool:
+    """Whether the chat template reads ``reasoning_content`` on messages (Qwen3's, DeepSeek's do)."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(t, str) and "reasoning_content" in t for t in texts)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> list[int]:
     # Rendered to text, then tokenized without BOS: the template writes its own
     # special tokens. Only role and content reach the template (a Chat marks
-    # stopped answers with an extra key).
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    # stopped answers with an extra key), and a kept reasoning where the template
+    # reads it: sent back otherwise, it would be in the prompt as answer text.
+    keep_reasoning = takes_reasoning(tokenizer)
+    plain: list[dict[str, str]] = []
+    for m in messages:
+        message = {"role": m["role"], "content": m["content"]}
+        if keep_reasoning and m.get("reasoning"):
+            message["reasoning_content"] = m["reasoning"]
+        plain.append(message)
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False, **kwargs)
     with _no_length_warning():
         return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -54,6 +54,14 @@ class GenerationRequest:
           the text ends before it (``finish_reason`` ``"stop_string"``). Default: ``None``.
         logprobs: Keep each generated token's log-probability and the ``logprobs``
           most likely alternatives (``gen.logprobs``); 0 keeps none. Default: ``0``.
+        thinking: Whether a reasoning model thinks before it answers, passed to the
+          chat template as ``enable_thinking``; ``None`` leaves the template's
+          default. Default: ``None``.
+        chat_template_kwargs: More variables for the chat template (mlx_lm.server's
+          name), e.g. ``{"reasoning_effort": "low"}``. Default: ``None``.
+        thinking_budget: Most reasoning tokens: after that many, the end of the
+          reasoning (the end tag and what the template puts after it) is forced
+          and the model answers. ``None``: no limit. Default: ``None``.
     """
 
     prompt: str | list[int] | list[dict[str, str]]
@@ -73,6 +81,9 @@ class GenerationRequest:
     logit_bias: dict[int, float] | None = None
     stop: list[str] | None = None
     logprobs: int = 0
+    thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_budget: int | None = None
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
@@ -124,6 +135,11 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(content, str):
             raise InvalidArgumentError(f"message {i} ({role}) needs a 'content' string, got {type(content).__name__}")
         _check_text(f"message {i} ({role})", content)
+        reasoning = message.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise InvalidArgumentError(
+                f"message {i} ({role}): 'reasoning' must be a string, got {type(reasoning).__name__}"
+            )
     if not any(m["content"].strip() for m in messages):
         raise InvalidArgumentError("every message is empty: give some text to generate from")
 
@@ -207,6 +223,27 @@ def _check_stop(name: str, value: Any) -> None:
         _check_text(name, text)
 
 
+def _check_thinking(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True, False or None (the template's default), got {value!r}")
+
+
+# What the prompt code passes to the chat template itself.
+_TEMPLATE_OWN = ("messages", "conversation", "add_generation_prompt", "tokenize", "return_dict")
+
+
+def _check_template_kwargs(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            f"{name} must be a dict of template variables, e.g. {{'reasoning_effort': 'low'}}, got {type(value).__name__}"
+        )
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidArgumentError(f"{name} keys must be template variable names, got {key!r}")
+        if key in _TEMPLATE_OWN:
+            raise InvalidArgumentError(f"{name} cannot set {key!r}: the prompt sets it")
+
+
 def _check_seed(name: str, value: Any) -> None:
     if value is not None:
         _check_int(name, value, minimum=0)
@@ -228,4 +265,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "logit_bias": _optional(_check_logit_bias),
     "stop": _optional(_check_stop),
     "logprobs": lambda name, v: _check_int(name, v, minimum=0),
+    "thinking": _check_thinking,
+    "chat_template_kwargs": _optional(_check_template_kwargs),
+    "thinking_budget": _optional(lambda name, v: _check_int(name, v, minimum=0)),
 }

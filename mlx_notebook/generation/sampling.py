@@ -4,7 +4,9 @@ mlx-lm's ``make_sampler`` ends in ``mx.random.categorical`` on MLX's global
 random state; the filters before it (``apply_top_p``, ``apply_min_p``,
 ``apply_top_k``) and ``make_logits_processors`` (logit bias, repetition
 penalty) are used here as they are, in mlx-lm's order, and the last draw uses
-the generation's own key instead.
+the generation's own key instead. A ``thinking_budget`` adds one more
+processor, :class:`~.reasoning.ThinkingBudget`, once the row's prompt and
+tokenizer are known (:meth:`Sampler.follow`).
 
 This module never imports IPython or ipywidgets.
 """
@@ -12,10 +14,12 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
+from .reasoning import ThinkingBudget, close_sequence, think_tags
 from .request import GenerationRequest
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -45,6 +49,7 @@ class Sampler:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
         self.greedy = request.temperature == 0
+        self.request_budget = request.thinking_budget
         self.inv_temp = 0.0 if self.greedy else 1.0 / request.temperature
         filters: list[Callable[[mx.array], mx.array]] = []
         top_p, min_p, top_k = request.top_p, request.min_p, request.top_k
@@ -65,9 +70,36 @@ class Sampler:
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed)
         self._before = self.key
+        self.budget: ThinkingBudget | None = None
+        self._pending = False
 
-    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        """Apply the logits processors; ``tokens`` are the tokens before the one being predicted."""
+    def follow(self, tokenizer: Any, prompt: Sequence[int], generated: list[int]) -> None:
+        """Know the row: its tokenizer, prompt and generated tokens (its own list, read as it grows).
+
+        With ``thinking_budget``, adds the processor that closes the reasoning
+        when the budget is spent (nothing on a model without thinking tags).
+        """
+        budget = self.request_budget
+        tags = think_tags(tokenizer) if budget is not None else None
+        if budget is None or tags is None or self.budget is not None:
+            return
+        self.budget = ThinkingBudget(budget, tags, close_sequence(tokenizer, tags), prompt, generated)
+        self.processors.append(self._budget_step)
+
+    def _budget_step(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        assert self.budget is not None
+        return self.budget(tokens, logits, pending=self._pending)
+
+    def process(self, tokens: mx.array, logits: mx.array, *, pending: bool = False) -> mx.array:
+        """Apply the logits processors.
+
+        Args:
+            tokens: The tokens before the one being predicted; the last is the step's input.
+            logits: The row's logits.
+            pending: Whether that input is not read yet (a step built before
+              the previous one's tokens were read). Default: ``False``.
+        """
+        self._pending = pending
         for processor in self.processors:
             logits = processor(tokens, logits)
         return logits

@@ -54,6 +54,9 @@ class GenerationStats:
         backend: The MLX distributed backend of those ranks (``ring``, ``nccl``...);
           ``""`` on one process.
         finish_reason: Why it ended (:class:`FinishReason`), ``None`` while it runs.
+        reasoning_tokens: Generated tokens inside the reasoning block (its tags not counted).
+        reasoning_s: Seconds from the first reasoning token to the end of the
+          reasoning (to now while it goes on); ``None`` without reasoning.
     """
 
     prompt_tokens: int = 0
@@ -74,3 +77,5 @@ class GenerationStats:
     ranks: int = 1
     backend: str = ""
     finish_reason: FinishReason | None = None
+    reasoning_tokens: int = 0
+    reasoning_s: float | None = None

@@ -29,11 +29,17 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..chat import Chat
 from ..errors import MLXNotebookError
+from ..generation.request import option_names
 from ..generation.states import State
 from .interpolate import interpolate
 from .kernel_hooks import deferred_interrupts
-from .magics import MLXGen, _as_cell_magic_help, _parse
-from .widget import FORMAT_CHOICES, error_line
+from .magics import MLXGen, as_cell_magic_help, parse_or_fail
+from .option_flags import given_options, option_arguments
+from .text_form import error_line
+from .widget import FORMAT_CHOICES
+
+# Options fixed when a chat is made (-m, -s), or always on (the chat template).
+_CHAT_MADE = ("model", "system", "chat")
 
 
 def _fail(message: str) -> UsageError:
@@ -59,39 +65,28 @@ class ChatMagics(Magics):
     @argument("name", metavar="NAME", help="the variable holding the chat (made on first use)")
     @argument("-m", "--model", default=None, help="model of a new chat (MLXGen.model)")
     @argument("-s", "--system", default=None, help="system message of a new chat (MLXGen.system)")
-    @argument("-n", "--max-tokens", type=int, default=None, help="most tokens per answer (MLXGen.max_tokens)")
-    @argument("-t", "--temperature", type=float, default=None, help="0 is greedy (MLXGen.temperature)")
-    @argument("--top-p", type=float, default=None, help="nucleus sampling mass, 1 disables it")
-    @argument("--seed", type=int, default=None, help="sampling seed")
-    @argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    @argument("--min-p", type=float, default=None, help="min-p sampling threshold")
-    @argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
-    @argument("--repetition-context", type=int, default=None, help="tokens the penalty looks back at (20)")
-    @argument("--logit-bias", default=None, metavar="JSON|NAME", help="{token_id: bias} as JSON or a dict's name")
-    @argument("--stop", action="append", default=None, metavar="TEXT", help="end the answer at TEXT (repeatable)")
-    @argument("--logprobs", type=int, default=None, metavar="K", help="keep log-probs and K alternatives")
+    @option_arguments(exclude=_CHAT_MADE)
     @argument("--drop-stopped", action="store_true", help="a new chat drops a stopped turn instead of keeping it")
     @argument("--wait", dest="wait", action="store_const", const=True, default=None, help="block until done")
     @argument("--no-wait", dest="wait", action="store_const", const=False, help="run in the background")
-    @argument("--budget", type=float, default=None, metavar="SECONDS", help="longest a stop or pause may wait")
     @argument("--plain", action="store_true", help="plain text display instead of the widget")
     @argument("--format", choices=FORMAT_CHOICES, default=None, help="markdown or text (MLXGen.format)")
+    @argument("--show-thinking", action="store_true", help="text output shows the reasoning in full")
     @cell_magic
     def mlxchat(self, line: str, cell: str) -> None:
         """Send the cell body as the next user message of the chat ``NAME``.
 
         The first ``%%mlxchat NAME`` makes a :class:`mlx_notebook.Chat` with the
-        given model, system message and sampling options (the rest from
-        ``MLXGen``'s config) and binds it to ``NAME``; later cells continue it,
-        their sampling flags (``-n``, ``-t``, ``--top-p``, ``--seed``, ``--top-k``,
-        ``--min-p``, ``--repetition-penalty``, ``--logit-bias``, ``--stop``,
-        ``--logprobs``) applying to that turn only.
+        given model, system message and options (the rest from ``MLXGen``'s
+        config: every option it has a trait for) and binds it to ``NAME``;
+        later cells continue it, their option flags (all of ``%%mlxgen``'s but
+        ``-m``, ``-s`` and ``--raw``) applying to that turn only.
         Each turn prefills only what is new since the last one (the prompt
         cache). ``{name}`` in the body inserts variables, as in ``%%mlxgen``.
         """
         __tracebackhide__ = True
         try:
-            args = _parse(self.mlxchat, line)  # split as a shell does, as %%mlxgen's options
+            args = parse_or_fail(self.mlxchat, line)  # split as a shell does, as %%mlxgen's options
         except UsageError as exc:
             raise _fail(str(exc).removeprefix("mlxgen: ")) from None
         if not args.name.isidentifier() or keyword.iskeyword(args.name):
@@ -123,21 +118,19 @@ class ChatMagics(Magics):
         found = self.shell.user_ns.get(args.name)
         if found is None:
             config = self.gen_magics
+            # Every MLXGen request trait, the flags given winning: a chat's defaults are %%mlxgen's.
             options = {
-                "max_tokens": config.max_tokens if args.max_tokens is None else args.max_tokens,
-                "temperature": config.temperature if args.temperature is None else args.temperature,
+                name: getattr(config, name)
+                for name in config.request_traits()
+                if name not in _CHAT_MADE and getattr(config, name) is not None
             }
-            if args.top_p is not None:
-                options["top_p"] = args.top_p
-            if args.seed is not None:
-                options["seed"] = args.seed
             return Chat(
                 args.model if args.model is not None else config.model,
                 args.system if args.system is not None else config.system,
                 keep_stopped=not args.drop_stopped,
                 # A worker given to %%mlxgen's magics (tests) serves the chat too; else the shared one.
                 worker=getattr(config, "_given_worker", None),
-                **options,
+                **{**options, **self._given(args)},
             )
         if not isinstance(found, Chat):
             raise _fail(
@@ -155,35 +148,23 @@ class ChatMagics(Magics):
                 )
         return found
 
+    def _given(self, args: Any) -> dict[str, Any]:
+        """The option flags typed on the line (``--logit-bias`` read as in %%mlxgen)."""
+        given = given_options(args, [name for name in option_names() if name not in _CHAT_MADE])
+        if "logit_bias" in given:
+            given["logit_bias"] = self.gen_magics.logit_bias_from(given["logit_bias"])
+        return given
+
     def _turn_options(self, args: Any) -> dict[str, Any]:
         """This turn's overrides: the flags given, and the stop budget and batch size of the config."""
         config = self.gen_magics
-        options = {
-            "stop_budget": config.stop_budget if args.budget is None else args.budget,
-            "max_batch": config.max_batch,
-        }
-        args.logit_bias = config._logit_bias(args.logit_bias)  # JSON or a dict variable, as %%mlxgen
-        for name in (
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "seed",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "repetition_context",
-            "logit_bias",
-            "stop",
-            "logprobs",
-        ):
-            if getattr(args, name) is not None:
-                options[name] = getattr(args, name)
+        options = {"stop_budget": config.stop_budget, "max_batch": config.max_batch, **self._given(args)}
         # Asked each time: syncs MLXGen.prompt_cache_gb to the worker, as %%mlxgen does.
         _ = config.worker
         return options
 
 
-_as_cell_magic_help(ChatMagics.mlxchat)
+as_cell_magic_help(ChatMagics.mlxchat)
 
 
 def register(ipython: Any, gen_magics: MLXGen) -> ChatMagics:

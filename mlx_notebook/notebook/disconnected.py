@@ -8,7 +8,8 @@ draining never reaches the page. What the page does do is mark every widget
 view whose model lost its comm with the class ``jupyter-widgets-disconnected``
 (ipywidgets' ``_comm_live_update``). A style rule keyed on that class, shipped
 inside the widget, hides the buttons and the progress bar (a click could only
-log "Cannot send") and says in words what happened. No frontend code needed.
+log "Cannot send"), puts "ended: kernel gone" in the stats line where a live
+state ("decoding") was, and says in words what happened. No frontend code needed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 LIVE_CLASS = "mlxgen-live"  # hidden once the kernel is gone
 NOTE_CLASS = "mlxgen-disconnected"  # shown once the kernel is gone
+STATE_CLASS = "mlxgen-state"  # a live state word in the stats line
+GONE_STATE = "ended: kernel gone"
 NOTE = "Disconnected from its kernel (restarted or shut down): this generation has ended; the text above is what it produced."
 
 _STYLE = (
@@ -24,7 +27,14 @@ _STYLE = (
     f" .jupyter-widgets-disconnected .{NOTE_CLASS} {{ display: block; }}"
     f" .jupyter-widgets-disconnected.{LIVE_CLASS}, .jupyter-widgets-disconnected .{LIVE_CLASS}"
     " { display: none !important; }"
+    # Generated content, not text: readers of the widget's value still see the state it last had.
+    f' .jupyter-widgets-disconnected .{STATE_CLASS}::after {{ content: "{GONE_STATE}"; }}'
 )
+
+
+def live_state(state: str) -> str:
+    """HTML of a live state word in the stats line: hidden, and "ended: kernel gone" shown, once the kernel is gone."""
+    return f'<span class="{STATE_CLASS}"><span class="{LIVE_CLASS}">{state}</span></span>'
 
 
 def disconnected_note() -> Any:

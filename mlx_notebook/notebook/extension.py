@@ -73,8 +73,10 @@ def load(ipython: Any) -> MLXGen:
 
     register_cluster_magic(ipython)
     from .chat_magic import register as register_chat_magic  # %%mlxchat, on MLXGen's config
+    from .job_magics import register as register_job_magics  # %mlxgen_stop, _jobs, _models
 
     register_chat_magic(ipython, magics)
+    register_job_magics(ipython, magics)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
     magics.hooks = KernelHooks(ipython, worker=magics.used_worker, views=magics.router)
@@ -107,8 +109,9 @@ def unload(ipython: Any) -> None:
             pass
     from .chat_magic import ChatMagics
     from .cluster_magic import ClusterMagics
+    from .job_magics import JobMagics
 
-    for kind in (ChatMagics, ClusterMagics):
+    for kind in (ChatMagics, ClusterMagics, JobMagics):
         others = ipython.magics_manager.registry.get(kind.__name__)
         if isinstance(others, kind):
             _remove(ipython, others, kind.__name__)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
@@ -35,36 +35,21 @@ from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import MLXNotebookError
 from ..generation.handle import Generation
 from ..generation.prefix_cache import DEFAULT_PROMPT_CACHE_GB
-from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option, is_messages
+from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option, option_names
 from ..generation.states import State
 from ..generation.worker import Worker, default_worker
-from ..loading.names import resolve
 from ..many import Batch, generate_many
 from .interpolate import interpolate
 from .kernel_hooks import KernelHooks, deferred_interrupts, wait_for
 from .map_inputs import map_prompts
 from .map_widget import make_map_view
-from .widget import FORMAT_CHOICES, UI_CHOICES, DisplayRouter, error_line, make_view
-
-# Traits that are defaults of GenerationRequest fields of the same name.
-_REQUEST_TRAITS = (
-    "model",
-    "max_tokens",
-    "temperature",
-    "system",
-    "stop_budget",
-    "max_batch",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "repetition_context",
-    "logit_bias",
-    "stop",
-    "logprobs",
-)
+from .option_flags import given_options, option_arguments
+from .routing import DisplayRouter
+from .text_form import error_line
+from .widget import FORMAT_CHOICES, UI_CHOICES, make_view
 
 
-def _fail(message: str) -> UsageError:
+def fail(message: str) -> UsageError:
     # One line, no traceback: IPython prints a UsageError as "UsageError: <message>".
     return UsageError(f"mlxgen: {message}")
 
@@ -117,6 +102,21 @@ class MLXGen(Magics):
     logprobs = Integer(
         0, help="Keep each token's log-probability and this many alternatives in gen.logprobs (--logprobs)."
     ).tag(config=True)
+    thinking = Bool(
+        None,
+        allow_none=True,
+        help="Whether a reasoning model thinks before it answers (--thinking on|off); "
+        "None leaves the chat template's default.",
+    ).tag(config=True)
+    thinking_budget = Integer(
+        None, allow_none=True, help="Most reasoning tokens before the answer is forced (--thinking-budget)."
+    ).tag(config=True)
+    chat_template_kwargs = Dict(
+        None, allow_none=True, help="More chat template variables (--template-arg KEY=VALUE, repeatable)."
+    ).tag(config=True)
+    show_thinking = Bool(
+        False, help="Text output (headless, --plain) shows the reasoning in full, not one line (--show-thinking)."
+    ).tag(config=True)
     max_batch = Integer(
         DEFAULT_MAX_BATCH,
         help="Most generations of one model decoded together (1 runs each alone); "
@@ -163,7 +163,7 @@ class MLXGen(Magics):
 
     # -- config checks (shown in one line by %config) --------------------------------
 
-    @validate(*_REQUEST_TRAITS)
+    @validate(*option_names())  # those that are traits
     def _check_request_option(self, proposal: Any) -> Any:
         # The request's own checks: one validation for the API, the magic and %config.
         try:
@@ -213,22 +213,7 @@ class MLXGen(Magics):
     # -- %%mlxgen ---------------------------------------------------------------------------
 
     @magic_arguments()
-    @argument("-m", "--model", default=None, help="model name, folder or .gguf file (config: MLXGen.model)")
-    @argument("-n", "--max-tokens", type=int, default=None, help="most tokens to generate (MLXGen.max_tokens)")
-    @argument("-t", "--temperature", type=float, default=None, help="0 is greedy (MLXGen.temperature)")
-    @argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 disables it (default 1)")
-    @argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
-    @argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (MLXGen.top_k)")
-    @argument("--min-p", type=float, default=None, help="min-p sampling threshold (MLXGen.min_p)")
-    @argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
-    @argument("--repetition-context", type=int, default=None, help="tokens the penalty looks back at (20)")
-    @argument(
-        "--logit-bias", default=None, metavar="JSON|NAME", help="{token_id: bias} as JSON, or a dict variable's name"
-    )
-    @argument("--stop", action="append", default=None, metavar="TEXT", help="end the generation at TEXT (repeatable)")
-    @argument("--logprobs", type=int, default=None, metavar="K", help="keep log-probs and K alternatives")
-    @argument("-s", "--system", default=None, help="system message (MLXGen.system)")
-    @argument("--raw", action="store_true", help="no chat template: feed the prompt as is")
+    @option_arguments()
     @argument("-o", "--out", default=None, metavar="NAME", help="bind the Generation handle to NAME")
     @argument(
         "--wait",
@@ -245,15 +230,13 @@ class MLXGen(Magics):
         const=False,
         help="run in the background even if MLXGen.wait is set",
     )
-    @argument(
-        "--budget",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="longest a stop or pause may wait (MLXGen.stop_budget)",
-    )
     @argument("--plain", action="store_true", help="plain text display instead of the widget")
     @argument("--format", choices=FORMAT_CHOICES, default=None, help="markdown or text (MLXGen.format)")
+    @argument(
+        "--show-thinking",
+        action="store_true",
+        help="text output shows the reasoning in full, not one line (MLXGen.show_thinking)",
+    )
     @argument(
         "--map",
         default=None,
@@ -274,18 +257,18 @@ class MLXGen(Magics):
         ``{item.field}``, ``{item[key]}``) and one widget shows every input.
         """
         __tracebackhide__ = True
-        args = _parse(self.mlxgen, line)
+        args = parse_or_fail(self.mlxgen, line)
         if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
-            raise _fail(f"--out needs a Python variable name, got {args.out!r}")
+            raise fail(f"--out needs a Python variable name, got {args.out!r}")
         if not cell.strip():
-            raise _fail("the cell is empty: write the prompt below the %%mlxgen line")
+            raise fail("the cell is empty: write the prompt below the %%mlxgen line")
         if args.map is not None:
             self._mlxgen_map(args, cell.strip())
             return
         try:
             prompt = interpolate(cell.strip(), self.shell.user_ns)
         except MLXNotebookError as exc:
-            raise _fail(error_line(exc)) from None
+            raise fail(error_line(exc)) from None
         request = GenerationRequest(prompt, **self._options(args))
         waiting = self.wait if args.wait is None else args.wait
         # From queueing to waiting, an interrupt is noted rather than raised: raised
@@ -297,13 +280,13 @@ class MLXGen(Magics):
 
                 gen = submit(request, self.worker)
             except MLXNotebookError as exc:
-                raise _fail(error_line(exc)) from None
+                raise fail(error_line(exc)) from None
             if args.out is not None:
                 self.shell.user_ns[args.out] = gen
             self.show(gen, args, waiting=waiting, interrupted=interrupted)
         if waiting:
             if gen.state is State.FAILED and gen.error is not None:
-                raise _fail(f"#{gen.id} failed: {error_line(gen.error)}")
+                raise fail(f"#{gen.id} failed: {error_line(gen.error)}")
 
     def show(self, gen: Generation, args: Any, *, waiting: bool, interrupted: Sequence[float] = ()) -> None:
         """Show ``gen``'s view in the cell (``--plain``, ``--format``) and wait for it when asked.
@@ -326,26 +309,18 @@ class MLXGen(Magics):
         if waiting or interrupted:
             wait_for(gen, interrupted=bool(interrupted))
 
+    def request_traits(self) -> list[str]:
+        """The request options that are also traits (config) of this class."""
+        return [name for name in option_names() if self.has_trait(name)]
+
     def _options(self, args: Any) -> dict[str, Any]:
         """The request's options from the cell's flags; a flag wins over the trait of the same name."""
-        given = {
-            "model": args.model,
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "system": args.system,
-            "stop_budget": args.budget,
-            "top_k": args.top_k,
-            "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty,
-            "repetition_context": args.repetition_context,
-            "logit_bias": self._logit_bias(args.logit_bias),
-            "stop": args.stop,
-            "logprobs": args.logprobs,
-        }
-        options = {name: getattr(self, name) if given.get(name) is None else given[name] for name in _REQUEST_TRAITS}
-        return dict(options, top_p=args.top_p, seed=args.seed, chat=not args.raw)
+        given = given_options(args, option_names())
+        if "logit_bias" in given:
+            given["logit_bias"] = self.logit_bias_from(given["logit_bias"])
+        return {**{name: getattr(self, name) for name in self.request_traits()}, **given}
 
-    def _logit_bias(self, text: str | None) -> dict[int, float] | None:
+    def logit_bias_from(self, text: str | None) -> dict[int, float] | None:
         """``--logit-bias``: a dict variable's name, or JSON such as ``{"1234": -100}``."""
         if text is None:
             return None
@@ -355,15 +330,15 @@ class MLXGen(Magics):
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise _fail(
+                raise fail(
                     f"--logit-bias must be JSON like '{{\"1234\": -100}}' or a dict variable's name: {exc.msg}"
                 ) from None
         if not isinstance(value, dict):
-            raise _fail(f"--logit-bias must be a dict of token id to bias, got {type(value).__name__}")
+            raise fail(f"--logit-bias must be a dict of token id to bias, got {type(value).__name__}")
         try:
             return {int(k): v for k, v in value.items()}
         except (TypeError, ValueError):
-            raise _fail("--logit-bias keys must be token ids (integers)") from None
+            raise fail("--logit-bias keys must be token ids (integers)") from None
 
     def _mlxgen_map(self, args: Any, template: str) -> None:
         """``%%mlxgen --map NAME``: one generation per item, one view for all."""
@@ -371,14 +346,14 @@ class MLXGen(Magics):
         try:
             prompts = map_prompts(template, args.map, self.shell.user_ns)
         except MLXNotebookError as exc:
-            raise _fail(error_line(exc)) from None
+            raise fail(error_line(exc)) from None
         waiting = self.wait if args.wait is None else args.wait
         # As for one generation: an interrupt from queueing to waiting is noted, then stops them all.
         with deferred_interrupts() as interrupted:
             try:
                 batch = generate_many(prompts, worker=self.worker, **self._options(args))
             except MLXNotebookError as exc:
-                raise _fail(f"--map {args.map}: {error_line(exc)}") from None
+                raise fail(f"--map {args.map}: {error_line(exc)}") from None
             if args.out is not None:
                 self.shell.user_ns[args.out] = batch
             view = make_map_view(
@@ -395,137 +370,7 @@ class MLXGen(Magics):
         failed = [(i, g, g.error) for i, g in enumerate(batch) if g.state is State.FAILED and g.error is not None]
         if waiting and failed:
             index, gen, error = failed[0]
-            raise _fail(f"{len(failed)} of {len(batch)} failed; {args.map}[{index}] (#{gen.id}): {error_line(error)}")
-
-    # -- %mlxgen_stop -------------------------------------------------------------------------
-
-    @magic_arguments()
-    @argument("target", nargs="?", default="all", help="a generation id (see %%mlxgen_jobs), or 'all'")
-    @line_magic
-    def mlxgen_stop(self, line: str) -> None:
-        """Stop one generation, or all running and queued ones (the default)."""
-        args = _parse(self.mlxgen_stop, line)
-        worker = self.used_worker()
-        if args.target == "all":
-            stopped = worker.cancel_all() if worker is not None else []
-            cluster = _cluster()
-            if cluster is not None:
-                stopped += cluster.cancel_all()
-            if stopped:
-                print("stopping " + ", ".join(f"#{g.id}" for g in stopped))
-            else:
-                print("nothing to stop")
-            return
-        gen = self._find(args.target)
-        if gen.finished:
-            print(f"#{gen.id} is already {gen.state}")
-            return
-        gen.cancel()
-        print(f"stopping #{gen.id}")
-
-    def _find(self, target: str) -> Generation:
-        text = target.lstrip("#")
-        if not text.isdigit():
-            raise _fail(f"give a generation id or 'all', got {target!r}")
-        for gen in self._history():
-            if gen.id == int(text):
-                return gen
-        raise _fail(f"no generation #{text}: %mlxgen_jobs lists them")
-
-    def _history(self) -> list[Generation]:
-        """This kernel's generations, local and on its cluster, oldest first."""
-        worker = self.used_worker()
-        gens = list(worker.history) if worker is not None else []
-        cluster = _cluster()
-        if cluster is not None:
-            gens += cluster.history
-        return sorted(gens, key=lambda g: g.id)
-
-    # -- %mlxgen_jobs ---------------------------------------------------------------------------
-
-    @line_magic
-    def mlxgen_jobs(self, line: str = "") -> None:
-        """List this kernel's generations: id, state, tokens, tok/s, prompt."""
-        if line.strip():
-            raise _fail("%mlxgen_jobs takes no arguments")
-        gens = self._history()
-        if not gens:
-            print("no generations yet")
-            return
-        rows = [["id", "state", "tokens", "tok/s", "prompt"]]
-        for gen in gens:
-            tps = gen.stats.generation_tps
-            prompt = gen.request.prompt
-            if isinstance(prompt, str):
-                head = " ".join(prompt.split())
-            elif is_messages(prompt):  # a chat turn: its last message
-                head = " ".join(prompt[-1]["content"].split())
-            else:
-                head = f"<{len(prompt)} token ids>"
-            rows.append(
-                [
-                    f"#{gen.id}",
-                    gen.state,
-                    str(gen.stats.generated_tokens),
-                    f"{tps:.1f}" if tps else "-",
-                    head if len(head) <= 40 else head[:39] + "…",
-                ]
-            )
-        print(_table(rows))
-
-    # -- %mlxgen_models -------------------------------------------------------------------------
-
-    @magic_arguments()
-    @argument("--unload", metavar="NAME", default=None, help="forget a loaded model and free its memory")
-    @line_magic
-    def mlxgen_models(self, line: str) -> None:
-        """List loaded models and their memory; ``--unload NAME`` frees one."""
-        args = _parse(self.mlxgen_models, line)
-        worker = self.used_worker()
-        if args.unload is not None:
-            self._unload(args.unload)
-            return
-        loaded = worker.store.loaded() if worker is not None else []
-        if not loaded:
-            print("no model loaded")
-            return
-        rows = [["model", "parameters", "loaded in", "prompt cache", "path"]]
-        for m in loaded:
-            kept = m.prompt_cache
-            cached = f"{len(kept)} x, {kept.nbytes / 2**20:.0f} MB" if kept is not None else "-"
-            rows.append([m.source.name, f"{m.nbytes / 2**20:.0f} MB", f"{m.load_s:.1f} s", cached, str(m.source.path)])
-        print(_table(rows))
-        try:
-            import mlx.core as mx
-
-            print(
-                f"MLX memory: {mx.get_active_memory() / 2**20:.0f} MB active, "
-                f"{mx.get_cache_memory() / 2**20:.0f} MB cached"
-            )
-        except Exception:  # memory figures are a nicety
-            pass
-
-    def _unload(self, name: str) -> None:
-        try:
-            resolve(name)  # a typo is an error, not "not loaded"
-        except MLXNotebookError as exc:
-            raise _fail(error_line(exc)) from None
-        worker = self.used_worker()
-        busy = worker.active() if worker is not None else []
-        if busy:
-            ids = ", ".join(f"#{g.id}" for g in busy)
-            raise _fail(f"generations {ids} are running or queued; stop them first (%mlxgen_stop)")
-        if worker is None:
-            print(f"{name}: not loaded")
-            return
-        try:
-            # On the worker thread: MLX work (freeing included) belongs to it.
-            removed = worker.call(lambda store: store.unload(name), timeout=30)
-        except MLXNotebookError as exc:
-            raise _fail(error_line(exc)) from None
-        except TimeoutError as exc:
-            raise _fail(str(exc)) from None
-        print(f"{name}: unloaded" if removed else f"{name}: not loaded")
+            raise fail(f"{len(failed)} of {len(batch)} failed; {args.map}[{index}] (#{gen.id}): {error_line(error)}")
 
 
 def _wait_for_batch(batch: Batch, interrupted: list[float]) -> None:
@@ -549,13 +394,6 @@ def _wait_for_batch(batch: Batch, interrupted: list[float]) -> None:
     raise KeyboardInterrupt(f"mlxgen map stopped: {batch.summary()}; the model stays loaded")
 
 
-def _cluster() -> Any:
-    """The kernel's cluster, if one was started (its generations are listed and stopped too)."""
-    from ..cluster.routing import current
-
-    return current()
-
-
 def parse_options(magic: Any, line: str) -> Any:
     """A magic's options, split as a shell does.
 
@@ -573,25 +411,18 @@ def parse_options(magic: Any, line: str) -> Any:
     return magic.parser.parse_args(argv)
 
 
-def _parse(magic: Any, line: str) -> Any:
+def parse_or_fail(magic: Any, line: str) -> Any:
     try:
         return parse_options(magic, line)
     except UsageError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
-def _as_cell_magic_help(magic: Any) -> None:
+def as_cell_magic_help(magic: Any) -> None:
     # magic_arguments writes usage as "%name"; a cell magic is typed "%%name".
     name = magic.parser.prog.lstrip("%")
     magic.parser.prog = f"%%{name}"
     magic.__doc__ = magic.__doc__.replace(f"%{name} [", f"%%{name} [", 1)
 
 
-_as_cell_magic_help(MLXGen.mlxgen)
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+as_cell_magic_help(MLXGen.mlxgen)

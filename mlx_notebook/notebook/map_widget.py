@@ -34,19 +34,9 @@ from typing import Any, cast
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
 from ..many import Batch
-from .widget import (
-    METADATA_KEY,
-    OUTCOME_COLOR,
-    OUTCOME_STYLE,
-    DisplayRouter,
-    _Bundle,
-    _keep_frontend_subshell,
-    _msg_id,
-    choose_ui,
-    current_parent,
-    error_line,
-    thread_parent,
-)
+from .routing import Bundle, DisplayRouter, current_parent, keep_frontend_subshell, msg_id, thread_parent
+from .text_form import error_line
+from .widget import METADATA_KEY, OUTCOME_COLOR, OUTCOME_STYLE, choose_ui
 
 MAP_METADATA_KEY = METADATA_KEY + "_map"
 PREVIEW_CHARS = 60
@@ -224,9 +214,9 @@ class MapView:
         """Send the results so far to headless clients (see the module docstring)."""
         self.publish()
 
-    def _bundle(self) -> _Bundle:
+    def _bundle(self) -> Bundle:
         text, entries = map_plain_text(self.batch)
-        return _Bundle(self._rich() | {"text/plain": text}, {MAP_METADATA_KEY: entries})
+        return Bundle(self._rich() | {"text/plain": text}, {MAP_METADATA_KEY: entries})
 
     def _rich(self) -> dict[str, Any]:
         return {}
@@ -246,7 +236,7 @@ class MapTextView(MapView):
     def publish_final(self) -> None:
         # A draw already went to the starting cell; a headless client may be reading
         # another cell by now, so send it with the current parent too.
-        if _msg_id(current_parent(self.shell)) != _msg_id(self.parent):
+        if msg_id(current_parent(self.shell)) != msg_id(self.parent):
             self.publish()
 
 
@@ -295,7 +285,7 @@ class MapWidgetView(MapView):
         self.stop_all.on_click(self._on_stop_all_click)
         self.pause_all.on_click(self._on_pause_all_click)
         for button in (self.stop_all, self.pause_all, *self.stops):
-            _keep_frontend_subshell(button)
+            keep_frontend_subshell(button)
 
     # -- clicks (from the frontend's comm messages) -------------------------------------
 

@@ -24,7 +24,12 @@ from ..generation.handle import Generation
 from ..generation.states import State
 from .markdown_blocks import MarkdownBlocks, close_fence
 
-NO_TOKENS = "(no tokens yet)"
+# What an answer that ended empty shows instead, by how it ended.
+_EMPTY = {
+    State.STOPPED: "(stopped before the first token)",
+    State.FAILED: "(failed before the first token)",
+}
+_EMPTY_AFTER_THINKING = {State.STOPPED: "(stopped while thinking)", State.FAILED: "(failed while thinking)"}
 # tqdm.notebook's convention: green done, orange stopped, red failed.
 OUTCOME_COLOR = {State.DONE: "#2e7d32", State.STOPPED: "#e65100", State.FAILED: "#c62828"}
 # Marks a placeholder output, so readers of the widget state can tell it from text.
@@ -47,6 +52,13 @@ def markdown_output(text: str, *, placeholder: bool = False) -> dict[str, Any]:
     }
 
 
+def empty_note(gen: Generation) -> str:
+    """What to show for an answer that ended empty: how it ended, and before what."""
+    if gen.reasoning.strip():
+        return _EMPTY_AFTER_THINKING.get(gen.state, "(no answer after the reasoning)")
+    return _EMPTY.get(gen.state, "(no text)")
+
+
 def final_markdown(gen: Generation, status: str) -> str:
     """The answer as one Markdown document, the status line under it.
 
@@ -55,7 +67,7 @@ def final_markdown(gen: Generation, status: str) -> str:
         status: Its status line (plain text, escaped here).
     """
     # An answer stopped inside a code block is closed, or the status would be code.
-    text = close_fence(gen.text) if gen.text.strip() else f"*{NO_TOKENS}*"
+    text = close_fence(gen.text) if gen.text.strip() else f"*{empty_note(gen)}*"
     color = OUTCOME_COLOR.get(gen.state, "inherit")
     return f'{text}\n\n<sub style="color: {color}">{html.escape(status)}</sub>\n'
 
@@ -78,8 +90,8 @@ class MarkdownArea:
         self._open: Any = None  # the Output of the open block, None before it exists
         self._open_shown: tuple[str, bool] = ("", False)
 
-    def update(self, text: str, *, placeholder: bool = False) -> None:
-        """Show ``text``; with ``placeholder`` and no text, say that none came."""
+    def update(self, text: str, *, placeholder: str = "") -> None:
+        """Show ``text``; with no text, the ``placeholder`` note (if any) instead."""
         completed, open_block = self.blocks.feed(text)
         count = len(self._outputs)
         for block in completed:
@@ -88,7 +100,7 @@ class MarkdownArea:
             self._open = None
         empty = not text.strip()
         if open_block or (placeholder and empty):
-            shown = (NO_TOKENS, True) if placeholder and empty else (open_block, False)
+            shown = (placeholder, True) if placeholder and empty else (open_block, False)
             if shown != self._open_shown or self._open is None:
                 self._show(self._open_output(), *shown)
         if len(self._outputs) != count:

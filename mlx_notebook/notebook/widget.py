@@ -22,17 +22,9 @@ Three kinds:
 * :class:`TerminalView` (terminal IPython, no kernel): text printed as it comes
   when the cell waits; nothing in the background (it would garble the prompt).
 
-Where the output goes. A kernel cannot tell whether its frontend renders
-widgets: a comm open gets no answer either way. So a widget view's display
-bundle always carries ``text/plain`` too, and when the generation ends the
-display is updated with the final text. Live frontends keep showing the
-widget; headless clients (nbclient, papermill, nbconvert) store the text.
-Those clients only read messages whose parent is the cell they are running,
-so the final update goes out with the kernel's *current* parent (the display
-id finds the original output), and, if no cell was running at that moment,
-again at the start of the next cell (:class:`DisplayRouter`). While it runs,
-a view's display messages carry the parent of the cell that started it
-(``set_thread_parent``), so a frontend routes them to that cell.
+Where the output goes (the starting cell while it runs, the running cell at
+the end, again at the next cell for headless clients) is :mod:`.routing`'s
+job; the plain-text forms (status line, text) are :mod:`.text_form`'s.
 
 Example::
 
@@ -45,15 +37,16 @@ from __future__ import annotations
 import html
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
-from .disconnected import LIVE_CLASS, disconnected_note
+from .disconnected import LIVE_CLASS, disconnected_note, live_state
 from .logprobs_view import TAIL_ROWS, LogprobsTable
-from .markdown_view import NO_TOKENS, OUTCOME_COLOR, MarkdownArea, final_markdown
+from .markdown_view import OUTCOME_COLOR, MarkdownArea, empty_note, final_markdown
+from .routing import Bundle, DisplayRouter, current_parent, keep_frontend_subshell, msg_id, thread_parent
+from .text_form import error_line as error_line  # cluster_magic imports it from here
+from .text_form import plain_text, status_line
 
 UI_CHOICES = ("auto", "widget", "text")
 FORMAT_CHOICES = ("markdown", "text")
@@ -68,151 +61,6 @@ _PRE_STYLE = (
     "font-family: var(--jp-code-font-family, monospace); "
     "font-size: var(--jp-code-font-size, 13px); line-height: 1.4"
 )
-
-
-def status_line(gen: Generation, ended_by: str = "") -> str:
-    """One line: id, state, tokens, batch, ranks, tok/s, TTFT, peak memory, stop latency, error.
-
-    Args:
-        gen: The generation.
-        ended_by: Why it ended, when not by itself or the user (``"kernel
-          restarted"``): shown after the state. Default: ``""``.
-    """
-    s = gen.stats
-    state = f"{gen.state}: {ended_by}" if ended_by else f"{gen.state}"
-    parts = [f"#{gen.id} {state}", f"{s.generated_tokens} tokens"]
-    if s.cached_tokens:
-        parts.append(f"{s.cached_tokens:,} cached")
-    if s.batch_size > 1:
-        parts.append(f"batch {s.batch_size}")
-    if s.ranks > 1:
-        parts.append(f"{s.ranks} ranks · {s.backend}" if s.backend else f"{s.ranks} ranks")
-    if s.generation_tps:
-        parts.append(f"{s.generation_tps:.1f} tok/s")
-    if s.ttft_s is not None:
-        parts.append(f"TTFT {s.ttft_s:.2f} s")
-    if s.peak_memory_gb:
-        parts.append(f"peak {s.peak_memory_gb * 1000:.0f} MB")
-    if s.stop_latency_s is not None:
-        parts.append(f"stopped in {s.stop_latency_s * 1000:.0f} ms")
-    if gen.error is not None:
-        parts.append(f"error: {error_line(gen.error)}")
-    return " · ".join(parts)
-
-
-def error_line(error: BaseException) -> str:
-    """The first line of an error's message (its type when it has none)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def plain_text(gen: Generation, ended_by: str = "") -> str:
-    """The ``text/plain`` form: the text, then the status line in brackets."""
-    text = gen.text
-    sep = "\n\n" if text else ""
-    return f"{text}{sep}[mlxgen {status_line(gen, ended_by)}]"
-
-
-@contextmanager
-def thread_parent(shell: Any, parent: dict[str, Any] | None) -> Iterator[None]:
-    """Route this thread's outputs to ``parent`` (a request) for the block.
-
-    ipykernel 7's ``set_thread_parent`` changes the calling thread's parent
-    only. ``set_parent`` would also change the kernel-wide fallback that every
-    other thread (and the idle kernel) uses, so it is not used here; on
-    ipykernels without ``set_thread_parent`` outputs keep the default route.
-    """
-    setter = getattr(shell, "set_thread_parent", None)
-    if parent is None or setter is None:
-        yield
-        return
-    tokens = setter(parent)
-    try:
-        yield
-    finally:
-        shell.reset_thread_parent(tokens)
-
-
-def current_parent(shell: Any) -> dict[str, Any] | None:
-    """The parent request of the calling thread (the running cell on the main thread)."""
-    getter = getattr(shell, "get_parent", None)
-    if getter is None:
-        return None
-    try:
-        return getter()
-    except Exception:  # not an ipykernel shell
-        return None
-
-
-def _msg_id(parent: dict[str, Any] | None) -> str | None:
-    return (parent or {}).get("header", {}).get("msg_id")
-
-
-class DisplayRouter:
-    """Re-sends final displays that went out while no cell was running.
-
-    Headless clients read a message only while they run the cell it names as
-    parent. A generation that ends between cells sends its final display with
-    a parent nobody reads any more, so the router sends it again from the
-    next cell's ``pre_run_cell`` (then the parent is that cell).
-    Register :meth:`pre_run_cell` and :meth:`post_run_cell` as IPython events.
-
-    It also knows the views still following a generation, so a kernel that
-    shuts down can give each its last state (:meth:`end_all`).
-    """
-
-    def __init__(self) -> None:
-        # %load_ext runs in a cell, so a cell is running when this is made.
-        self.cell_running = True
-        self._pending: list[GenerationView] = []
-        self._live: dict[int, GenerationView] = {}
-        self._lock = threading.Lock()
-
-    def following(self, view: GenerationView) -> None:
-        """Note a view that follows a generation until it ends."""
-        with self._lock:
-            self._live[id(view)] = view
-
-    def ended(self, view: GenerationView) -> None:
-        """Note that ``view`` showed its generation's end."""
-        with self._lock:
-            self._live.pop(id(view), None)
-
-    def end_all(self, reason: str, *, now: bool = False) -> list[GenerationView]:
-        """Mark every live view as ended by ``reason``; return them.
-
-        Args:
-            reason: Why, e.g. ``"kernel restarted"``: shown in the status line.
-            now: Also show each one's last state now, whatever its generation's
-              state; else each shows it when its generation reports its end.
-              Default: ``False``.
-        """
-        with self._lock:
-            live = list(self._live.values())
-        for view in live:
-            view.ended_by = reason
-            if now:
-                view.end_now()
-        return live
-
-    def pre_run_cell(self, info: Any = None) -> None:
-        """IPython ``pre_run_cell`` event: re-send pending final displays."""
-        self.cell_running = True
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for view in pending:
-            view.publish_final()
-
-    def post_run_cell(self, result: Any = None) -> None:
-        """IPython ``post_run_cell`` event."""
-        self.cell_running = False
-
-    def final_sent(self, view: GenerationView) -> None:
-        """Called right *after* a final display was sent from the worker thread."""
-        # Read after sending: True means the send came before this cell's end.
-        if not self.cell_running:
-            with self._lock:
-                self._pending.append(view)
 
 
 class GenerationView:
@@ -329,7 +177,7 @@ class GenerationView:
         """The status line (with why it ended, if not by itself)."""
         return status_line(self.gen, self.ended_by)
 
-    def final_bundle(self) -> _Bundle:
+    def final_bundle(self) -> Bundle:
         """The display once it has ended: ``text/markdown`` (with ``format="markdown"``)
         and ``text/plain``, no widget: readable without widget state."""
         data = {"text/plain": self.plain_text(final=True)}
@@ -337,7 +185,7 @@ class GenerationView:
             data["text/markdown"] = final_markdown(self.gen, self.status_text())
             if self.logprobs is not None and (table := self.logprobs.markdown()):
                 data["text/markdown"] += f"\n{table}\n"
-        return _Bundle(data, self._metadata())
+        return Bundle(data, self._metadata())
 
     def plain_text(self, *, final: bool) -> str:
         """The ``text/plain`` form; with log-probs, their table under it (the last rows until ``final``)."""
@@ -357,26 +205,15 @@ class GenerationView:
         return state.value, 0.0
 
 
-class _Bundle:
-    """A display object with a fixed MIME bundle (for ``display`` / ``update``)."""
-
-    def __init__(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
-        self.data = data
-        self.metadata = metadata
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
-        return self.data, self.metadata
-
-
 class TextView(GenerationView):
     """A ``text/plain`` display updated in place (no widget frontend)."""
 
-    def _bundle(self, final: bool = False) -> _Bundle:
+    def _bundle(self, final: bool = False) -> Bundle:
         # Markdown only at the end: each update re-renders all of it, and a
         # client without widgets cannot do better, so it streams as plain text.
         if final:
             return self.final_bundle()
-        return _Bundle({"text/plain": self.plain_text(final=False)}, self._metadata())
+        return Bundle({"text/plain": self.plain_text(final=False)}, self._metadata())
 
     def _display(self) -> None:
         from IPython.display import display
@@ -391,25 +228,8 @@ class TextView(GenerationView):
     def publish_final(self) -> None:
         # The final draw went to the starting cell; a headless client may be
         # reading another cell by now, so send it with the current parent too.
-        if _msg_id(current_parent(self.shell)) != _msg_id(self.parent):
+        if msg_id(current_parent(self.shell)) != msg_id(self.parent):
             self.draw(final=True)
-
-
-def _keep_frontend_subshell(widget: Any) -> None:
-    """Let clicks on ``widget`` run while a ``--wait`` cell blocks the main shell.
-
-    JupyterLab >= 4.4 sends comm messages to a kernel subshell
-    (``commsOverSubshells``, default ``perCommTarget``), but ipykernel 7.4
-    re-routes each one to the subshell that last *sent* on that comm: the
-    running cell's, so a Stop click queued behind the very cell it should stop.
-    Keeping the frontend's choice runs the click on the subshell thread
-    (measured in JupyterLab 4.6 + Chromium: the stop lands in ~0.1 s during
-    the blocking cell). ``_reply_subshell_for`` is private, hence the guard:
-    without it clicks simply wait for the cell, as before.
-    """
-    comm = getattr(widget, "comm", None)
-    if comm is not None and hasattr(comm, "_reply_subshell_for"):
-        comm._reply_subshell_for = lambda data, default: default
 
 
 class WidgetView(GenerationView):
@@ -455,7 +275,7 @@ class WidgetView(GenerationView):
         self.stop_button.on_click(self._on_stop_click)
         self.pause_button.on_click(self._on_pause_click)
         for button in (self.stop_button, self.pause_button):
-            _keep_frontend_subshell(button)
+            keep_frontend_subshell(button)
 
     # -- clicks (main thread, from the frontend's comm messages) -----------------------
 
@@ -473,10 +293,10 @@ class WidgetView(GenerationView):
 
     # -- drawing -------------------------------------------------------------------------
 
-    def _bundle(self) -> _Bundle:
+    def _bundle(self) -> Bundle:
         data = dict(self.box._repr_mimebundle_())
         data["text/plain"] = self.plain_text(final=self.gen.finished)
-        return _Bundle(data, self._metadata())
+        return Bundle(data, self._metadata())
 
     def _display(self) -> None:
         from IPython.display import display
@@ -508,9 +328,13 @@ class WidgetView(GenerationView):
                 self.progress.value = 1.0 if state is State.DONE else fraction
                 self.progress.bar_style = OUTCOME_STYLE.get(state, "info" if not final else "")
                 color = OUTCOME_COLOR.get(state, "inherit")
+                line = html.escape(self.status_text())
+                if not final and not self.ended_by:
+                    # A live state word, replaced by "ended" once the kernel is gone (see .disconnected).
+                    head = f"#{gen.id} {state}"
+                    line = line.replace(head, f"#{gen.id} {live_state(str(state))}", 1)
                 self.status.value = (
-                    f'<span class="mlxgen-status" style="color: {color}; font-size: 0.9em">'
-                    f"{html.escape(self.status_text())}</span>"
+                    f'<span class="mlxgen-status" style="color: {color}; font-size: 0.9em">{line}</span>'
                 )
 
     def _draw_answer(self, final: bool) -> None:
@@ -518,9 +342,13 @@ class WidgetView(GenerationView):
         # Ended with nothing to show: say so rather than leave a gap.
         empty = final and not text.strip()
         if self.markdown is not None:
-            self.markdown.update(text, placeholder=empty)
+            self.markdown.update(text, placeholder=empty_note(self.gen) if empty else "")
             return
-        note = f'<div class="mlxgen-empty" style="opacity: 0.6"><i>{NO_TOKENS}</i></div>' if empty else ""
+        note = (
+            f'<div class="mlxgen-empty" style="opacity: 0.6"><i>{html.escape(empty_note(self.gen))}</i></div>'
+            if empty
+            else ""
+        )
         # Tooltips once it ends: per tick they would resend K alternatives per token.
         shown = self.logprobs.hover(text) if final and self.logprobs is not None else html.escape(text)
         self.text.value = f'<pre style="{_PRE_STYLE}">{shown}</pre>{note}'
