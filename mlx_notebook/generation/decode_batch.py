@@ -185,6 +185,9 @@ class DecodeBatch:
         # Each row streams its own text: a copy of the tokenizer's detokenizer, reset.
         row.detokenizer = copy.copy(tokenizer.detokenizer)
         row.detokenizer.reset()
+        # The reasoning channel starts open when the prompt opened it; a thinking budget reads the row's tokens.
+        row.sink.set_prompt(row.prompt)
+        row.sample.follow(tokenizer, row.prompt, row.tokens)
         self.ready.append(row)
 
     def poll_parked(self) -> None:
@@ -292,17 +295,18 @@ class DecodeBatch:
         if not stops:
             row.sink.emit(token_ids, text)
             return
+        thought, text = row.sink.split(text)  # stop strings read the answer, not the reasoning
         text = row.held + text
         hits = [i for i in (text.find(stop) for stop in stops) if i >= 0]
         if hits:
             row.held = ""
-            row.sink.emit(token_ids, text[: min(hits)])
+            row.sink.emit_split(token_ids, thought, text[: min(hits)])
             row.finish = FinishReason.STOP_STRING
             return
         # The longest end of the text that begins some stop string waits for the next token.
         keep = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
         row.held = text[len(text) - keep :] if keep else ""
-        row.sink.emit(token_ids, text[: len(text) - keep])
+        row.sink.emit_split(token_ids, thought, text[: len(text) - keep])
 
     def _change_rows(self, tokens: list[int], nxt: _Step | None) -> None:
         """Drop finished, stopped and paused rows; admit the ready ones; queue the next step."""
@@ -374,7 +378,7 @@ class DecodeBatch:
             if tail:
                 self._emit(row, [], tail)
             if row.finish is not FinishReason.STOP_STRING and row.held:
-                row.sink.emit([], row.held)
+                row.sink.emit_split([], "", row.held)
             row.held = ""
             finish = row.finish
         stats = row.sink.stats
@@ -442,7 +446,9 @@ class DecodeBatch:
             # mlx-lm's logits processors (bias, repetition penalty), row by row, on the row's context.
             logits = mx.concatenate(
                 [
-                    r.sample.process(r.context(inputs[i : i + 1] if pending else None), logits[i : i + 1])
+                    r.sample.process(
+                        r.context(inputs[i : i + 1] if pending else None), logits[i : i + 1], pending=pending
+                    )
                     if r.sample.processors
                     else logits[i : i + 1]
                     for i, r in enumerate(self.rows)
