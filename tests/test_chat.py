@@ -8,24 +8,19 @@ and the answer must be the one a cold full-history prompt gives.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 import mlx_notebook
 from mlx_notebook import Chat, ChatBusyError, GenerationRequest, InvalidArgumentError
 from mlx_notebook.generation.prompt import prepare_prompt
+from testkit.waiting import assert_stays_paused, other_generation, wait_tokens
 
 QUESTIONS = ["Once upon a time", "Tell me about the quick brown fox", "And the lazy dog?"]
 
 
 def loaded_model(worker, tiny_model):
     return next(m for m in worker.store.loaded() if str(m.source.path) == tiny_model)
-
-
-def wait_tokens(gen, n: int = 3) -> None:
-    while len(gen.tokens) < n and not gen.finished:
-        time.sleep(0.001)
 
 
 def test_three_turns_reuse_the_previous_turns_cache(worker, tiny_model):
@@ -96,13 +91,13 @@ def test_stop_mid_turn_keeps_it_marked_or_drops_it(worker, tiny_model, keep_stop
     before = [dict(m) for m in chat.messages]
 
     gen = chat.send(QUESTIONS[1], max_tokens=2000)
-    wait_tokens(gen)
+    wait_tokens(gen, 3)
     assert chat.busy
     for action in (lambda: chat.send("again"), chat.undo, lambda: chat.edit_last("x"), lambda: chat.save("/tmp/x")):
         with pytest.raises(ChatBusyError, match=f"#{gen.id} is still"):
             action()
     gen.cancel()
-    gen.wait(60)
+    assert gen.wait(60)
     assert gen.state == "stopped" and 0 < len(gen.tokens) < 2000
     if keep_stopped:
         assert chat.messages[:-2] == before
@@ -126,11 +121,12 @@ def test_pause_and_resume_a_turn_gives_the_same_answer(worker, tiny_model):
         chat.send(QUESTIONS[0]).result(timeout=120)
     plain = chats[0].send(QUESTIONS[1])
     plain.result(timeout=120)
+    assert len(plain.tokens) == 40, "the answer meets EOS early: the pause below needs room"
     paused = chats[1].send(QUESTIONS[1])
-    wait_tokens(paused)
+    wait_tokens(paused, 3)
     paused.pause()
-    while paused.state != "paused" and not paused.finished:
-        time.sleep(0.001)
+    assert chats[1].busy
+    assert_stays_paused(paused, lambda: other_generation(worker, tiny_model))
     paused.resume()
     paused.result(timeout=120)
     assert paused.tokens == plain.tokens

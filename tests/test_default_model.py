@@ -13,10 +13,12 @@ import pytest
 from conftest import needs_default_model
 
 import mlx_notebook
+from testkit.waiting import assert_stays_paused, other_generation, wait_prefill_chunks, wait_tokens
 
 pytestmark = needs_default_model
 
 QUESTION = "What is the capital of France? Answer in one sentence."
+STORY = "Tell me a short story about a lighthouse keeper."
 LONG = "Summarize this text. " + " ".join(
     f"Paragraph {i}: the river flows through the valley and the town grows beside it." for i in range(70)
 )
@@ -51,30 +53,34 @@ def test_default_model_answers_in_english(worker):
 def test_stop_in_prefill_parks_within_seconds_not_a_minute(quantized_worker):
     before = greedy(quantized_worker).tokens
     gen = mlx_notebook.generate(LONG, max_tokens=8, worker=quantized_worker)
-    while gen.state != "prefilling":
-        assert not gen.finished
-        time.sleep(0.005)
-    time.sleep(1.0)
+    fed: list[int] = []
+    gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
+    wait_prefill_chunks(gen, 3, timeout=300)
     t0 = time.perf_counter()
     gen.cancel()
-    assert gen.wait(5), "the stop did not land within 5 s"
+    assert gen.wait(120)
     waited = time.perf_counter() - t0
     assert gen.state == "stopped" and gen.stats.prompt_tokens > 1000
-    # The whole prefill would have taken over a minute at the measured rate.
+    # The stop landed inside the prefill, with most of the prompt still ahead,
+    # not after the phase (which would have taken over a minute at the measured rate).
+    assert gen.tokens == [] and gen.stats.ttft_s is None
+    assert fed and fed[-1] < gen.stats.prompt_tokens / 2, fed[-3:]
     per_token = quantized_worker.call(lambda s: s.get(None).prefill_cost[1])
     assert per_token * gen.stats.prompt_tokens > 30
-    assert waited < 5 and gen.stats.stop_latency_s < 5
+    # How quickly is a figure, not a pass mark here (wall clock on a shared CPU):
+    # benchmarks/bench.py measures stop latency per phase, benchmarks/wall_clock.py holds the limit.
+    print(
+        f"stop in a {gen.stats.prompt_tokens}-token prefill: {waited:.2f} s (worker: {gen.stats.stop_latency_s:.2f} s)"
+    )
     assert greedy(quantized_worker).tokens == before
 
 
 def test_stop_in_decode_and_load_then_same_tokens(worker):
     before = greedy(worker).tokens
     gen = mlx_notebook.generate(LONG[:400], max_tokens=1000, worker=worker)
-    while len(gen.tokens) < 3:
-        assert not gen.finished, gen.error
-        time.sleep(0.005)
+    wait_tokens(gen, 3, timeout=300)
     gen.cancel()
-    assert gen.wait(5) and gen.state == "stopped"
+    assert gen.wait(60) and gen.state == "stopped"
     assert gen.text
     worker.call(lambda s: s.unload(None))
     blocker = mlx_notebook.generate(QUESTION, max_tokens=1000, worker=worker)
@@ -94,18 +100,13 @@ def test_stop_in_decode_and_load_then_same_tokens(worker):
 
 
 def test_pause_resume_on_the_default_model_is_exact(worker):
-    before = greedy(worker, n=40).tokens
-    gen = mlx_notebook.generate(QUESTION, max_tokens=40, worker=worker)
-    while len(gen.tokens) < 4 and not gen.finished:
-        time.sleep(0.002)
+    # An answer longer than the pause's reach (one sentence about Paris is 7 tokens).
+    before = greedy(worker, STORY, n=40).tokens
+    assert len(before) == 40, f"the answer is {len(before)} tokens: the pause below needs room"
+    gen = mlx_notebook.generate(STORY, max_tokens=40, worker=worker)
+    wait_tokens(gen, 4, timeout=300)
     gen.pause()
-    deadline = time.monotonic() + 5
-    while gen.state != "paused" and not gen.finished:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    held = len(gen.tokens)
-    time.sleep(0.3)
-    assert len(gen.tokens) == held
+    assert_stays_paused(gen, lambda: other_generation(worker, "default", max_tokens=4))
     gen.resume()
     gen.result(timeout=120)
     assert gen.tokens == before

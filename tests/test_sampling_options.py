@@ -7,12 +7,12 @@ and in a batch with other rows, and do what mlx-lm does with it.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError
+from testkit.waiting import assert_stays_paused, other_generation, wait_tokens
 
 PROMPT = "Once upon a time the quick brown fox"
 SAMPLING = {"temperature": 0.9, "seed": 5}
@@ -41,11 +41,11 @@ def test_seeded_sampling_with_each_option_is_reproducible_and_pause_exact(worker
     options = dict(SAMPLING, **OPTIONS[name])
     ref = tokens_of(worker, tiny_model, **options)
     assert ref == tokens_of(worker, tiny_model, **options)
+    assert len(ref) == 24, "the reference meets EOS early: the pause below needs room"
     gen = run(worker, tiny_model, **options)
-    while len(gen.tokens) < 5 and not gen.finished:
-        time.sleep(0.0005)
+    wait_tokens(gen, 5)
     gen.pause()
-    time.sleep(0.05)
+    assert_stays_paused(gen, lambda: other_generation(worker, tiny_model))
     gen.resume()
     gen.result(timeout=120)
     assert gen.tokens == ref
