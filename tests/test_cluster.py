@@ -110,6 +110,15 @@ def test_greedy_tokens_match_single_process(running, reference, tiny_model):
     print(f"\ncluster decode {gen.stats.generation_tps:.1f} tok/s, step {gen.stats.decode_step_s * 1000:.1f} ms")
 
 
+def test_generate_many_runs_on_the_ranks(running, reference):
+    batch = mlx_notebook.generate_many([PROMPT, PROMPT], model=NAME, max_tokens=48)
+    batch.results(120)
+    for gen in batch:
+        assert gen.state == "done" and gen.tokens == reference, (gen.state, gen.error)
+        assert gen.stats.ranks == 2  # type: ignore[attr-defined]
+    assert all(gen in running.history for gen in batch)
+
+
 def test_seeded_pause_resume_is_exact(running, tiny_model, worker):
     options = dict(model=NAME, max_tokens=120, temperature=0.9, seed=11)
     whole = mlx_notebook.generate(PROMPT, **options)
@@ -154,6 +163,27 @@ def test_pause_acts_on_what_the_kernel_saw_when_the_kernel_lags(running, tiny_mo
     gen.result(120)
     assert gen.tokens == whole.tokens
     print(f"\npaused at token {held} (asked at 6)")
+
+
+def test_sampling_options_match_single_process(running, tiny_model, worker):
+    """The ranks sample with the local engine's sampler: filters, logits processors, the generation's own key."""
+    options = dict(
+        max_tokens=40,
+        temperature=0.8,
+        seed=3,
+        top_k=20,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        repetition_context=8,
+        logit_bias={5: 2.0, 7: -1.0},
+    )
+    local = worker.submit(GenerationRequest(PROMPT, model=tiny_model, **options))
+    local.result(120)
+    gen = mlx_notebook.generate(PROMPT, model=NAME, **options)
+    gen.result(120)
+    assert gen.tokens == local.tokens, (gen.tokens, local.tokens)
+    with pytest.raises(MLXNotebookError, match="stop, logprobs: not available on a cluster"):
+        mlx_notebook.generate(PROMPT, model=NAME, stop=["."], logprobs=2)
 
 
 def test_stop_in_prefill_and_decode_keeps_the_model(running, reference):

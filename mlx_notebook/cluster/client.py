@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,26 @@ from ..loading.names import resolve
 from ..text_enum import TextEnum
 from .errors import ClusterError
 from .launch import Launcher, LaunchSpec, check_config, command, environment, model_folder
-from .protocol import PING_S, ClusterStats, pack, unpack
+from .protocol import (
+    PING_S,
+    ClusterStats,
+    Control,
+    FailedStart,
+    Finish,
+    Generate,
+    Message,
+    Ping,
+    Progress,
+    Ready,
+    Seen,
+    Shutdown,
+    StateChanged,
+    Stats,
+    Tokens,
+    pack,
+    request_fields,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +200,7 @@ class Cluster:
         self.launcher: Launcher | None = None
         self.history: list[Generation] = []
         self._reporters: dict[int, Reporter] = {}
-        self._outbox: deque[dict[str, Any]] = deque()
+        self._outbox: deque[Message] = deque()
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._closing = threading.Event()
@@ -243,7 +262,7 @@ class Cluster:
         # Stopped generations end as "stopped" (rank 0 says so after every rank synchronized).
         for gen in self.cancel_all():
             gen.wait(max(0.0, deadline - time.monotonic()))
-        self._send({"op": "shutdown"})
+        self._send(Shutdown())
         self._closing.set()
         self._wake()
         self._join(timeout)
@@ -308,22 +327,19 @@ class Cluster:
         unsupported = [name for name in _LOCAL_ONLY if getattr(request, name)]  # None, 0, [] and {} are off
         if unsupported:
             raise InvalidArgumentError(
-                f"{', '.join(unsupported)}: not available on a cluster yet (its ranks sample with "
-                "temperature, top_p and seed only); leave them out"
+                f"{', '.join(unsupported)}: not available on a cluster yet (stop strings and log-probs "
+                "run on the local worker only); leave them out"
             )
         if not self.ready:
             raise ClusterError(f"the cluster is {self.state}{': ' + self.error if self.error else ''}; restart it")
         gen = Generation(request, on_cancel=lambda _gen: None)
-        gen.token = _ForwardingToken(
-            lambda action, gid=gen.id: self._send({"op": "control", "id": gid, "action": action})
-        )
+        gen.token = _ForwardingToken(lambda action, gid=gen.id: self._send(Control(gid, action)))
         gen.stats = ClusterStats(ranks=self.spec.ranks, backend=self.spec.backend)
         reporter = Reporter(gen)
         with self._lock:
             self._reporters[gen.id] = reporter
             self.history.append(gen)
-        message = {k: v for k, v in asdict(request).items() if k != "model"}
-        self._send({"op": "generate", "id": gen.id, "request": message})
+        self._send(Generate(gen.id, request_fields(request)))
         return gen
 
     def active(self) -> list[Generation]:
@@ -340,7 +356,7 @@ class Cluster:
 
     # -- the client thread -------------------------------------------------------------
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Message) -> None:
         self._outbox.append(message)
         self._wake()
 
@@ -388,7 +404,7 @@ class Cluster:
                         self._fault("rank 0 is gone (its connection to the kernel closed)")
                 now = time.monotonic()
                 if now - last_ping >= PING_S and self.state is ClusterState.READY:
-                    _send_now(sock, {"op": "ping"})
+                    _send_now(sock, Ping())
                     last_ping = now
                 if self._closing.is_set():
                     flush()  # a stop() between the drain above and here: its shutdown goes too
@@ -454,71 +470,69 @@ class Cluster:
                     State.FAILED, ClusterError(f"cluster generation #{gen.id} failed: {why}; restart the cluster")
                 )
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        ev = msg.get("ev")
-        if ev == "ready":
-            self.load_s = float(msg.get("load_s", 0.0))
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Ready):
+            self.load_s = msg.load_s
             self.state = ClusterState.READY
             self._ready.set()
             return
-        if ev == "failed_start":
-            self.error = str(msg.get("error"))
+        if isinstance(msg, FailedStart):
+            self.error = msg.error
             self._closing.set()
             self.state = ClusterState.ENDED
             self._ready.set()
             return
-        if ev == "pong":
-            return
+        if not isinstance(msg, (Tokens, Progress, Stats, StateChanged, Finish)):
+            return  # a Pong: hearing it is all it is for
         with self._lock:
-            reporter = self._reporters.get(int(msg.get("id", -1)))
+            reporter = self._reporters.get(msg.id)
         if reporter is None:
             return
         gen = reporter.generation
         token = gen.token
-        if ev == "tokens":
-            ids = list(msg["ids"])
-            gen.stats.generated_tokens += len(ids)  # as the local engine does, before listeners hear of them
-            reporter.emit(ids, str(msg["text"]))
-            if ids:
+        if isinstance(msg, Tokens):
+            gen.stats.generated_tokens += len(msg.ids)  # as the local engine does, before listeners hear of them
+            reporter.emit(list(msg.ids), msg.text)
+            if msg.ids:
                 # After the listeners: a Pause one of them asked leaves first (the loop flushes in order).
-                self._outbox.append({"op": "seen", "id": gen.id, "n": len(gen.tokens)})
-        elif ev == "progress":
-            reporter.progress(str(msg["phase"]), int(msg["done"]), int(msg["total"]))
-        elif ev == "stats":
-            _update_stats(gen.stats, msg["stats"])
-        elif ev == "state":
-            state = State(msg["state"])
+                self._outbox.append(Seen(gen.id, len(gen.tokens)))
+        elif isinstance(msg, Progress):
+            reporter.progress(msg.phase, msg.done, msg.total)
+        elif isinstance(msg, Stats):
+            _update_stats(gen.stats, msg.stats)
+        elif isinstance(msg, StateChanged):
+            state = State(msg.state)
             if isinstance(token, _ForwardingToken):
                 if state is State.PAUSED:
                     token.took_effect("pause")
                 elif reporter.state is State.PAUSED:
                     token.took_effect("resume")
             reporter.set_state(state)
-        elif ev == "finish":
+        else:
             with self._lock:
                 self._reporters.pop(gen.id, None)
-            state = State(msg["state"])
+            state = State(msg.state)
             if state is State.STOPPED:
                 gen.stats.stop_latency_s = token.mark_stopped()
-            error = ClusterError(str(msg["error"])) if state is State.FAILED else None
+            error = ClusterError(str(msg.error)) if state is State.FAILED else None
             reporter.finish(state, error)
-            if msg.get("lost"):
+            if msg.lost:
                 # A rank is gone: the group can run nothing more (mlx.launch is ending the rest).
-                self._fault(str(msg["error"]))
+                self._fault(str(msg.error))
 
 
 # Request options the ranks' decode loop does not have (see steps.decode).
-_LOCAL_ONLY = ("top_k", "min_p", "repetition_penalty", "logit_bias", "stop", "logprobs")
+_LOCAL_ONLY = ("stop", "logprobs")
 
 
-def _send_now(sock: Any, message: dict[str, Any]) -> None:
+def _send_now(sock: Any, message: Message) -> None:
     """Send without blocking: a ``PAIR`` socket blocks while its peer is gone (rank 0 died), and the watchdog must not."""
     import zmq
 
     try:
         sock.send(pack(message), zmq.NOBLOCK)
     except zmq.Again:
-        log.debug("rank 0 is not connected; dropped %s", message.get("op"))
+        log.debug("rank 0 is not connected; dropped %s", message.TYPE)
 
 
 def _update_stats(stats: GenerationStats, values: dict[str, Any]) -> None:

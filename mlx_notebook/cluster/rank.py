@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, fields
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,14 +42,36 @@ import mlx.core as mx
 from ..control import Cancelled, CancelToken
 from ..errors import MLXNotebookError
 from ..generation.prompt import prepare_prompt
-from ..generation.request import GenerationRequest
 from ..generation.states import State
 from ..generation.stats import GenerationStats
 from ..loading.names import ModelSource, SourceKind
 from ..loading.store import LoadedModel
 from .agreement import AgreedPace, broadcast_bytes, exchange
 from .launch import check_divisible
-from .protocol import IDLE_TICK_S, MAX_AHEAD, ClusterStats, Job, Op, pack, unpack
+from .protocol import (
+    IDLE_TICK_S,
+    MAX_AHEAD,
+    ClusterStats,
+    Control,
+    FailedStart,
+    Finish,
+    Generate,
+    Job,
+    Message,
+    Op,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    Seen,
+    Shutdown,
+    StateChanged,
+    Stats,
+    Tokens,
+    pack,
+    request_from_fields,
+    unpack,
+)
 
 # Rank 0 ends the cluster when the kernel has been silent this long (it pings
 # every PING_S): the kernel froze or its machine went away.
@@ -141,7 +163,7 @@ class Inbox:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)  # a send that finds the queue full drops the event
         self.socket.connect(address)
-        self.requests: deque[dict[str, Any]] = deque()
+        self.requests: deque[Generate] = deque()
         self.current: tuple[int, CancelToken] | None = None
         # Queued generations paused from the kernel: they start paused (as on the local worker).
         self.paused_queued: set[int] = set()
@@ -152,7 +174,7 @@ class Inbox:
         # The kernel's silence counts only once the model is loaded (it may take minutes).
         self.serving = False
 
-    def send(self, **message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Send one event to the kernel (dropped when the kernel is gone: the lifeline ends this rank then)."""
         try:
             self.socket.send(pack(message), self._zmq.NOBLOCK)
@@ -166,23 +188,21 @@ class Inbox:
             self._handle(unpack(self.socket.recv()))
             timeout = 0
 
-    def _handle(self, msg: dict[str, Any]) -> None:
+    def _handle(self, msg: Message) -> None:
         self.last_heard = time.monotonic()
-        op = msg.get("op")
-        if op == "ping":
-            self.send(ev="pong")
-        elif op == "seen":
-            gen_id = int(msg["id"])
-            if self.current is not None and self.current[0] == gen_id:  # late ones keep nothing alive
-                self.seen[gen_id] = int(msg["n"])
-        elif op == "generate":
+        if isinstance(msg, Ping):
+            self.send(Pong())
+        elif isinstance(msg, Seen):
+            if self.current is not None and self.current[0] == msg.id:  # late ones keep nothing alive
+                self.seen[msg.id] = msg.n
+        elif isinstance(msg, Generate):
             self.requests.append(msg)
-        elif op == "shutdown":
+        elif isinstance(msg, Shutdown):
             self.shutdown = True
             if self.current is not None:
                 self.current[1].cancel()
-        elif op == "control":
-            self._control(int(msg["id"]), str(msg["action"]))
+        elif isinstance(msg, Control):
+            self._control(msg.id, msg.action)
 
     def _control(self, gen_id: int, action: str) -> None:
         if self.current is not None and self.current[0] == gen_id:
@@ -191,10 +211,10 @@ class Inbox:
         elif action == "stop":
             self.paused_queued.discard(gen_id)
             for queued in list(self.requests):
-                if int(queued["id"]) == gen_id:
+                if queued.id == gen_id:
                     self.requests.remove(queued)
-                    self.send(ev="finish", id=gen_id, state=State.STOPPED.value, error=None)
-        elif action == "pause" and any(int(queued["id"]) == gen_id for queued in self.requests):
+                    self.send(Finish(gen_id, State.STOPPED.value))
+        elif action == "pause" and any(queued.id == gen_id for queued in self.requests):
             self.paused_queued.add(gen_id)  # (a pause of one that already ended has nothing to act on)
         elif action == "resume":
             self.paused_queued.discard(gen_id)
@@ -240,29 +260,29 @@ class _RankSink:
         self._tokens = 0  # tokens events sent
         self._sent = 0  # token ids sent
 
-    def _send(self, **message: Any) -> None:
+    def _send(self, message: Message) -> None:
         if self.inbox is not None:
-            self.inbox.send(id=self.id, **message)
+            self.inbox.send(message)
 
     def send_stats(self) -> None:
         if self.pace is not None:
             self.cluster_stats.agreements = self.pace.collectives
             self.cluster_stats.agreement_s = self.pace.collective_s
-        self._send(ev="stats", stats={k: _plain(v) for k, v in asdict(self.stats).items()})
+        self._send(Stats(self.id, {k: _plain(v) for k, v in asdict(self.stats).items()}))
 
     def set_state(self, state: State) -> None:
         if state == self.state:
             return
         self.state = state
         self.send_stats()
-        self._send(ev="state", state=state.value)
+        self._send(StateChanged(self.id, state.value))
 
     def progress(self, phase: str, done: int, total: int) -> None:
-        self._send(ev="progress", phase=phase, done=done, total=total)
+        self._send(Progress(self.id, phase, done, total))
 
     def emit(self, token_ids: list[int], text: str) -> None:
         # The kernel counts the tokens itself; stats (rates, step times) follow now and then.
-        self._send(ev="tokens", ids=token_ids, text=text)
+        self._send(Tokens(self.id, token_ids, text))
         self._tokens += 1
         self._sent += len(token_ids)
         if self._tokens % STATS_EVERY == 1:
@@ -272,7 +292,7 @@ class _RankSink:
 
     def finish(self, state: State, error: str | None = None, *, lost: bool = False) -> None:
         self.send_stats()
-        self._send(ev="finish", state=state.value, error=error, lost=lost)
+        self._send(Finish(self.id, state.value, error, lost))
 
 
 def _plain(value: Any) -> Any:
@@ -288,20 +308,18 @@ def _lost_a_rank(message: str) -> bool:
     return message.startswith(("[ring]", "[nccl]", "[jaccl]", "[mpi]")) or "peer" in message.lower()
 
 
-def make_job(loaded: LoadedModel, msg: dict[str, Any]) -> Job:
-    """The :class:`Job` for one ``generate`` message: prompt tokenized here, seed fixed here.
+def make_job(loaded: LoadedModel, msg: Generate) -> Job:
+    """The :class:`Job` for one :class:`Generate`: the prompt tokenized here, the seed fixed here.
+
+    The kernel validated the request (:meth:`Cluster.submit`); it is not checked again.
 
     Raises:
-        MLXNotebookError: A bad request (the kernel validated it; the prompt may still not fit).
+        MLXNotebookError: The prompt does not fit this model (its chat template, its context).
     """
-    names = {f.name for f in fields(GenerationRequest)}
-    request = GenerationRequest(**{k: v for k, v in msg["request"].items() if k in names})
-    request.validate()
+    request = request_from_fields(msg.request)
     prompt = prepare_prompt(loaded, request)
     seed = request.seed if request.seed is not None else random.randrange(2**31)
-    return Job(
-        int(msg["id"]), prompt, request.max_tokens, request.temperature, request.top_p, seed, request.stop_budget
-    )
+    return Job(msg.id, replace(request, prompt=prompt, seed=seed))
 
 
 def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, backend: str) -> None:
@@ -322,12 +340,12 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, back
 
     pace = AgreedPace(
         token,
-        job.budget_s,
+        job.request.stop_budget,
         on_pause=on_pause,
         on_resume=on_resume,
         group=group,
         poll=inbox.poll if inbox is not None else None,
-        on_tick=(lambda: inbox.send(ev="pong")) if inbox is not None else None,
+        on_tick=(lambda: inbox.send(Pong())) if inbox is not None else None,
     )
     sink.pace = pace
     if inbox is not None:
@@ -368,7 +386,7 @@ def serve(loaded: LoadedModel, group: Any, inbox: Inbox | None, backend: str) ->
                     payload = make_job(loaded, msg).encode()
                     op = Op.JOB
                 except MLXNotebookError as exc:
-                    inbox.send(ev="finish", id=int(msg["id"]), state=State.FAILED.value, error=str(exc))
+                    inbox.send(Finish(msg.id, State.FAILED.value, str(exc)))
         (agreed,) = exchange(group, [op])
         if agreed == Op.SHUTDOWN:
             return
@@ -430,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         text = str(exc).strip().splitlines()
         line = text[0] if text else type(exc).__name__
         if inbox is not None:
-            inbox.send(ev="failed_start", error=line)
+            inbox.send(FailedStart(line))
             inbox.socket.close(linger=1000)
         print(f"rank {group.rank()}: cannot load {args.model}: {line}", file=sys.stderr)
         traceback.print_exc()
@@ -440,14 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if inbox is not None:
         inbox.last_heard = time.monotonic()
         inbox.serving = True
-        inbox.send(
-            ev="ready",
-            ranks=group.size(),
-            backend=args.backend,
-            model=args.model,
-            load_s=loaded.load_s,
-            nbytes=loaded.nbytes,
-        )
+        inbox.send(Ready(group.size(), args.backend, args.model, loaded.load_s, loaded.nbytes))
     try:
         serve(loaded, group, inbox, args.backend)
     except RankLost as exc:

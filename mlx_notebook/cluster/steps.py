@@ -25,7 +25,6 @@ import mlx.core as mx
 from ..generation.chunks import ChunkPlanner, builds_kernels_per_shape
 from ..generation.engine import BUDGET_SHARE, STEP_EMA, Sink
 from ..generation.pieces import LayerRunner, prefill_runner
-from ..generation.request import GenerationRequest
 from ..generation.sampling import make_sampler
 from ..generation.states import State
 from ..generation.stats import FinishReason
@@ -101,10 +100,11 @@ def decode(
     for at most one step plus one collective).
     """
     model = loaded.model
-    request = GenerationRequest(
-        [0], max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed
-    )
-    sample = make_sampler(request)
+    max_tokens = job.request.max_tokens
+    # The local engine's sampler: its filters, logits processors and own key, so every
+    # rank (same seed, same logits) draws the token a single process draws.
+    sample = make_sampler(job.request)
+    fed = list(job.prompt)  # what the logits processors look back at (prompt, then tokens read)
     eos = set(loaded.tokenizer.eos_token_ids)
     detokenizer = loaded.tokenizer.detokenizer if pace.leader else None
     if detokenizer is not None:
@@ -112,19 +112,26 @@ def decode(
     stats = sink.stats
     stats.decode_in_flight = 1
 
-    def step(inputs: mx.array) -> mx.array:
+    def step(inputs: mx.array, pending: bool) -> mx.array:
         logits = model(inputs[None], cache=cache)[:, -1, :]
+        if sample.processors:
+            # As DecodeBatch's rows: the last tokens before the predicted one, ``inputs`` among
+            # them when it is a step's token not read yet.
+            known = mx.array(fed[-sample.context :], dtype=mx.uint32)
+            context = mx.concatenate([known, inputs])[-sample.context :] if pending else known
+            logits = sample.process(context, logits)
         return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    y = step(mx.array(job.prompt[-1:], dtype=mx.uint32))
+    y = step(mx.array(job.prompt[-1:], dtype=mx.uint32), pending=False)
     mx.async_eval(y)
-    next_y = step(y) if job.max_tokens > 1 else None
+    next_y = step(y, pending=True) if max_tokens > 1 else None
     first_at: float | None = None
     last_at = 0.0
     finish = FinishReason.LENGTH
     n = 0
     while True:
         tok = cast(int, y.item())
+        fed.append(tok)
         if next_y is not None:
             mx.async_eval(next_y)
         now = time.perf_counter()
@@ -154,7 +161,7 @@ def decode(
             break
         if n % 256 == 0:
             mx.clear_cache()
-        following = step(next_y) if n + 2 <= job.max_tokens else None
+        following = step(next_y, pending=True) if n + 2 <= max_tokens else None
         pace.agree()
         y, next_y = next_y, following
     if detokenizer is not None:
