@@ -8,6 +8,7 @@ import time
 import pytest
 
 from mlx_notebook.control import Cancelled, CancelToken, Pace, unpaced
+from testkit.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +26,13 @@ def test_checkpoint_passes_until_a_stop_then_raises_every_time() -> None:
 def test_pause_blocks_with_hooks_once_then_resume_continues() -> None:
     token = CancelToken()
     calls: list[str] = []
-    pace = Pace(token, 0.05, on_pause=lambda: calls.append("pause"), on_resume=lambda: calls.append("resume"))
+    hooked = threading.Event()
+
+    def on_pause() -> None:
+        calls.append("pause")
+        hooked.set()
+
+    pace = Pace(token, 0.05, on_pause=on_pause, on_resume=lambda: calls.append("resume"))
     token.pause()
     passed = threading.Event()
 
@@ -35,10 +42,13 @@ def test_pause_blocks_with_hooks_once_then_resume_continues() -> None:
 
     thread = threading.Thread(target=work)
     thread.start()
-    time.sleep(0.05)
-    assert not passed.is_set() and calls == ["pause"], "a paused checkpoint must block after its hook"
+    assert hooked.wait(30), "the pause hook was never called"
+    # The pause is marked effective right before the checkpoint blocks.
+    wait_until(lambda: token.events[0].effective_at is not None, 30, "the pause marked effective")
+    # However late this thread runs, a checkpoint that did not block would have passed by now.
+    assert not passed.wait(0.05) and calls == ["pause"], "a paused checkpoint must block after its hook"
     token.resume()
-    thread.join(5)
+    thread.join(30)
     assert passed.is_set() and calls == ["pause", "resume"]
     pause, resume = token.events
     assert pause.kind == "pause" and pause.latency_s is not None and resume.latency_s is not None
@@ -47,7 +57,13 @@ def test_pause_blocks_with_hooks_once_then_resume_continues() -> None:
 def test_stop_during_a_pause_raises_without_the_resume_hook() -> None:
     token = CancelToken()
     calls: list[str] = []
-    pace = Pace(token, on_pause=lambda: calls.append("pause"), on_resume=lambda: calls.append("resume"))
+    hooked = threading.Event()
+
+    def on_pause() -> None:
+        calls.append("pause")
+        hooked.set()
+
+    pace = Pace(token, on_pause=on_pause, on_resume=lambda: calls.append("resume"))
     token.pause()
     errors: list[BaseException] = []
 
@@ -59,10 +75,10 @@ def test_stop_during_a_pause_raises_without_the_resume_hook() -> None:
 
     thread = threading.Thread(target=work)
     thread.start()
-    time.sleep(0.02)
+    assert hooked.wait(30), "the pause hook was never called"  # the checkpoint is in its pause
     token.cancel()
-    thread.join(5)
-    assert len(errors) == 1 and calls == ["pause"]
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1 and calls == ["pause"]
     # A stop ends the pause: later requests change nothing.
     token.pause()
     token.resume()

@@ -7,10 +7,11 @@ ipywidgets objects clicked through their own ``click()`` dispatcher.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import sys
 import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +36,7 @@ from mlx_notebook.notebook.widget import (
     plain_text,
     status_line,
 )
+from testkit.waiting import assert_stays_paused, other_generation, wait_state, wait_tokens, wait_until
 
 PROMPT = "Once upon a time the quick brown fox"
 
@@ -65,13 +67,6 @@ def magics(ip: Any, worker: mlx_notebook.Worker, tiny_model: str) -> Iterator[ML
 def generate(worker: mlx_notebook.Worker, model: str, **kw: Any) -> mlx_notebook.Generation:
     kw.setdefault("max_tokens", 40)
     return mlx_notebook.generate(PROMPT, model=model, worker=worker, **kw)
-
-
-def wait_until(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 # -- interpolation --------------------------------------------------------------------------
@@ -177,7 +172,7 @@ def test_line_magics(ip: Any, magics: MLXGen, worker: mlx_notebook.Worker, capsy
     ip.run_cell(f"%%mlxgen -n 5 -o queued\n{PROMPT}")
     ip.run_line_magic("config", f"MLXGen.max_batch = {DEFAULT_MAX_BATCH}")
     long, queued = ip.user_ns["long"], ip.user_ns["queued"]
-    wait_until(lambda: long.state == "decoding")
+    wait_state(long, "decoding")
     capsys.readouterr()
     ip.run_line_magic("mlxgen_jobs", "")
     jobs = capsys.readouterr().out
@@ -232,30 +227,54 @@ def test_help_is_generated_from_the_arguments() -> None:
 # -- interrupts ----------------------------------------------------------------------------------
 
 
-def test_wait_for_turns_sigint_into_a_drained_stop(worker: mlx_notebook.Worker, tiny_model: str, capsys: Any) -> None:
+def test_wait_for_turns_sigint_into_a_drained_stop(
+    worker: mlx_notebook.Worker, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference = generate(worker, tiny_model, max_tokens=20)
     reference.result(60)
     gen = generate(worker, tiny_model, max_tokens=3000)
-    wait_until(lambda: gen.stats.generated_tokens >= 3)
+    wait_tokens(gen, 3)
+    draining, noted = threading.Event(), threading.Event()
 
     def slow_display(event: mlx_notebook.GenerationEvent) -> None:
         if event.state == "stopped":
-            time.sleep(0.5)  # keeps the drain going while the second interrupt lands
+            # Keeps the drain going until the second interrupt has been seen.
+            draining.set()
+            noted.wait(30)
 
     gen.add_listener(slow_display)
 
-    def interrupt_twice() -> None:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)  # during the drain: must not abandon it
+    class NoteWatch(io.StringIO):
+        """stderr: tells when wait_for's "stopping; waiting..." note (its answer to a second interrupt) is out."""
+
+        def write(self, text: str) -> int:
+            if "waiting for the current piece of work" in text:
+                noted.set()
+            return super().write(text)
 
     before = signal.getsignal(signal.SIGINT)
-    threading.Timer(0.01, interrupt_twice).start()
+    errors: list[str] = []
+
+    def interrupt_twice() -> None:
+        try:
+            # Not before wait_for's own handler is in place (pytest's would raise at once).
+            wait_until(lambda: signal.getsignal(signal.SIGINT) is not before, 30, "wait_for's SIGINT handler")
+            os.kill(os.getpid(), signal.SIGINT)
+            assert draining.wait(30), "the first interrupt did not stop the generation"
+            os.kill(os.getpid(), signal.SIGINT)  # during the drain: must not abandon it
+        except AssertionError as exc:
+            errors.append(str(exc))
+            gen.cancel()
+
+    stderr = NoteWatch()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    threading.Thread(target=interrupt_twice, daemon=True).start()
     with pytest.raises(KeyboardInterrupt, match="stopped after"):
         wait_for(gen)
+    assert not errors, errors
     assert gen.finished and gen.state == "stopped"
     assert signal.getsignal(signal.SIGINT) is before
-    assert "waiting for the current piece of work" in capsys.readouterr().err
+    assert noted.is_set() and "waiting for the current piece of work" in stderr.getvalue()
     # Nothing lost: the model still gives the same greedy tokens.
     again = generate(worker, tiny_model, max_tokens=20)
     again.result(60)
@@ -268,8 +287,15 @@ def test_wait_for_a_queued_generation_drops_it(worker: mlx_notebook.Worker, tiny
     # max_batch=1: the second waits in the queue instead of joining the first's batch.
     running = generate(worker, tiny_model, max_tokens=3000, max_batch=1)
     queued = generate(worker, tiny_model, max_tokens=10, max_batch=1)
-    wait_until(lambda: running.state == "decoding")
-    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+    wait_state(running, "decoding")
+    before = signal.getsignal(signal.SIGINT)
+
+    def interrupt() -> None:
+        # Not before wait_for's own handler is in place (pytest's would raise at once).
+        wait_until(lambda: signal.getsignal(signal.SIGINT) is not before, 30, "wait_for's SIGINT handler")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(KeyboardInterrupt, match="stopped after 0 tokens"):
         wait_for(queued)
     assert queued.state == "stopped" and running.state == "decoding"
@@ -280,7 +306,7 @@ def test_wait_for_a_queued_generation_drops_it(worker: mlx_notebook.Worker, tiny
 def test_shutdown_worker_stops_everything(tiny_model: str) -> None:
     worker = mlx_notebook.Worker()
     gen = generate(worker, tiny_model, max_tokens=3000)
-    wait_until(lambda: gen.stats.generated_tokens >= 2)
+    wait_tokens(gen, 2)
     assert shutdown_worker(worker, timeout=10)
     assert gen.state == "stopped" and not worker.alive
 
@@ -293,29 +319,29 @@ def test_widget_buttons_follow_the_state(worker: mlx_notebook.Worker, tiny_model
     reference.result(60)
     gen = generate(worker, tiny_model, max_tokens=400)
     view = WidgetView(gen, throttle=0.0).show()
-    wait_until(lambda: gen.stats.generated_tokens >= 5)
+    wait_tokens(gen, 5)
     assert (view.pause_button.description, view.pause_button.disabled) == ("Pause", False)
     assert not view.stop_button.disabled
 
     view.pause_button.click()
-    wait_until(lambda: gen.state == "paused")
-    wait_until(lambda: view.pause_button.description == "Resume")
+    assert_stays_paused(gen, lambda: other_generation(worker, tiny_model))
+    wait_until(lambda: view.pause_button.description == "Resume", 30, "the Resume label")
     assert not view.pause_button.disabled and not view.stop_button.disabled
     assert "paused" in view.status.value
     view.pause_button.click()  # Resume
     gen.result(60)
     assert gen.tokens == reference.tokens  # exact resume
-    wait_until(lambda: view.progress.bar_style == "success")
+    wait_until(lambda: view.progress.bar_style == "success", 30, "a green bar")
     assert view.stop_button.disabled and view.pause_button.disabled
     assert view.progress.value == 1.0
     assert gen.text.replace("&", "&amp;").replace("<", "&lt;")[:20] in view.text.value
 
     stopped = generate(worker, tiny_model, max_tokens=3000)
     view = WidgetView(stopped, throttle=0.0).show()
-    wait_until(lambda: stopped.stats.generated_tokens >= 5)
+    wait_tokens(stopped, 5)
     view.stop_button.click()
     assert stopped.wait(10) and stopped.state == "stopped"
-    wait_until(lambda: view.progress.bar_style == "warning")
+    wait_until(lambda: view.progress.bar_style == "warning", 30, "an orange bar")
     assert "stopped in" in view.status.value and view.stop_button.disabled
 
 
