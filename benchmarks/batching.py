@@ -40,8 +40,8 @@ import mlx.core as mx
 
 import mlx_notebook
 from benchmarks.bench import SYNTHETIC, open_model, percentile, prompt_ids, save
+from benchmarks.solo_engine import Engine
 from mlx_notebook.control import unpaced
-from mlx_notebook.generation.engine import Engine
 from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
 
@@ -198,7 +198,7 @@ class Trace:
         self._undo.append((owner, attr, original))
 
     def __enter__(self):
-        from mlx_notebook.generation import batch_cache, decode_batch, engine, pieces, session
+        from mlx_notebook.generation import batch_cache, decode_batch, pieces, prefill, session
 
         self.wrap(decode_batch.DecodeBatch, "step", "step")
         self.wrap(decode_batch.DecodeBatch, "_admit", "admit")
@@ -206,7 +206,7 @@ class Trace:
         self.wrap(pieces.ChunkRunner, "run", "chunk")
         self.wrap(pieces.LayerRunner, "_hook", "hook")
         self.wrap(session.Session, "_between", "between")
-        self.wrap(engine.mx, "clear_cache", "clear_cache")
+        self.wrap(prefill.mx, "clear_cache", "clear_cache")
         self.wrap(session, "prepare_prompt", "prepare")
         self.wrap(batch_cache, "extend", "extend")
         self.wrap(session.Session, "_keep_prefix", "keep_prefix")

@@ -244,6 +244,27 @@ class Pace:
             self.between()
         self.token.checkpoint(on_pause=self.on_pause, on_resume=self.on_resume, while_paused=self.while_paused)
 
+    def agree(self, proposal: int = 0) -> int:
+        """A checkpoint that also settles a number every party will use (the next chunk size); return it.
+
+        One process: :meth:`checkpoint`, then ``proposal`` itself. The ranks of a
+        cluster (``AgreedPace``) take rank 0's proposal in the same collective
+        that agrees on stop and pause.
+
+        Raises:
+            Cancelled: A stop was requested.
+        """
+        self.checkpoint()
+        return proposal
+
+    def choose(self, proposal: int) -> int:
+        """The value every party uses for a choice inside a piece of work (the layer-group size).
+
+        One process: ``proposal``, with no checkpoint. The ranks of a cluster
+        agree on rank 0's (which is a checkpoint there).
+        """
+        return proposal
+
 
 def unpaced(budget_s: float = DEFAULT_STOP_BUDGET_S) -> Pace:
     """A pace nobody stops or pauses (scripts, a plain ``load_model``)."""

@@ -92,6 +92,10 @@ class AgreedPace(Pace):
             self._paused()
         return agreed
 
+    def choose(self, proposal: int) -> int:
+        """Rank 0's ``proposal`` on every rank (an agreement, so also a checkpoint)."""
+        return self.agree(proposal)
+
     def _exchange(self, proposal: int, *, wait_s: float) -> tuple[int, int, int]:
         if self.poll is not None:
             self.poll(wait_s)

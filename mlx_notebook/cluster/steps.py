@@ -1,16 +1,15 @@
 """One generation on every rank: prefill and decode in budget-sized pieces, every decision agreed.
 
-The engine's :func:`~mlx_notebook.generation.engine.prefill` and
-:func:`~mlx_notebook.generation.engine.decode` take decisions from each
-process's own clock: the next chunk size (a cost model fitted to measured
-chunk times), the layer-group size, whether a second decode step is queued
-before a token is read. On one process that is fine; over ranks it is a
-deadlock, since a sharded forward pass runs collectives: chunks of 64 tokens
-on one rank and 96 on another never meet. Here the same planners run on rank
-0 only, and their choice travels in the checkpoint's own collective
-(:meth:`.agreement.AgreedPace.agree`); decode queues the same steps on every
-rank whatever its clock says. So every rank runs the same shapes and stops,
-pauses or resumes at the same boundary.
+The engine takes decisions from each process's own clock: the next chunk
+size (a cost model fitted to measured chunk times), the layer-group size,
+whether a second decode step is queued before a token is read. Over ranks
+that would deadlock, since a sharded forward pass runs collectives: chunks of
+64 tokens on one rank and 96 on another never meet. So the prefill is the
+engine's own loop (:func:`mlx_notebook.generation.prefill.prefill`) run with
+an :class:`~.agreement.AgreedPace`, whose ``agree`` and ``choose`` take rank
+0's proposals in the checkpoint's own collective; decode here queues the same
+steps on every rank whatever its clock says. So every rank runs the same
+shapes and stops, pauses or resumes at the same boundary.
 
 This module never imports IPython or ipywidgets.
 """
@@ -22,25 +21,14 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..generation.chunks import ChunkPlanner, builds_kernels_per_shape
-from ..generation.engine import BUDGET_SHARE, STEP_EMA, Sink
-from ..generation.pieces import LayerRunner, prefill_runner
+from ..generation.budget import STEP_EMA
+from ..generation.prefill import Sink, prefill
 from ..generation.sampling import make_sampler
 from ..generation.states import State
 from ..generation.stats import FinishReason
 from ..loading.store import LoadedModel
 from .agreement import AgreedPace
 from .protocol import Job
-
-
-class _AgreedLayerRunner(LayerRunner):
-    """Layer groups whose size rank 0 picks and every rank uses."""
-
-    pace: AgreedPace
-
-    def _plan(self, n_tokens: int) -> None:
-        super()._plan(n_tokens)
-        self.group = max(1, self.pace.agree(self.group if self.pace.leader else 0))
 
 
 def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> FinishReason:
@@ -57,33 +45,6 @@ def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> F
     cache = make_prompt_cache(loaded.model)
     prefill(loaded, cache, job.prompt, pace=pace, sink=sink)
     return decode(loaded, cache, job, pace=pace, sink=sink, prefill_start=start)
-
-
-def prefill(loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: AgreedPace, sink: Sink) -> None:
-    """Feed all but the last prompt token in chunks whose sizes rank 0 picks."""
-    to_process = len(prompt) - 1
-    ids = mx.array(prompt, dtype=mx.uint32)
-    runner = prefill_runner(loaded, cache, pace)
-    if isinstance(runner, LayerRunner):
-        runner = _AgreedLayerRunner(runner.owner, runner.model, runner.cache, pace)
-    sink.stats.prefill_pieces = runner.pieces
-    planner = ChunkPlanner(loaded.prefill_cost, loaded.prefill_shapes_seen if builds_kernels_per_shape() else None)
-    done = 0
-    sink.progress("prefill", 0, len(prompt))
-    while done < to_process:
-        target = pace.budget_s * BUDGET_SHARE * runner.chunk_budget_factor
-        proposal = planner.next_chunk(target, done, to_process - done) if pace.leader else 0
-        n = pace.agree(proposal)
-        t0 = time.perf_counter()
-        runner.run(ids[None, done : done + n])
-        planner.observe(n, time.perf_counter() - t0, start=done)
-        done += n
-        sink.stats.prefill_pieces = runner.pieces
-        sink.stats.prefill_chunks += 1
-        sink.progress("prefill", done, len(prompt))
-        mx.clear_cache()
-    if planner.cost is not None:
-        loaded.prefill_cost = planner.cost
 
 
 def decode(

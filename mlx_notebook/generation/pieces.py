@@ -123,12 +123,13 @@ class LayerRunner:
     def _plan(self, n_tokens: int) -> None:
         per = self._per_layer_token(self._context() + n_tokens / 2)
         if per is None:
-            self.group = 1
+            self.group = max(1, self.pace.choose(1))
             return
         # The group being waited on and those queued behind it all stand
         # between a stop and the parked worker: they share the budget.
         fit = int(self.pace.budget_s / (self.max_in_flight + 1) / max(per * n_tokens, 1e-9))
-        self.group = max(1, min(fit, self.n_layers))
+        # Ranks of a cluster must cut the same groups (their forward passes meet in collectives).
+        self.group = max(1, self.pace.choose(min(fit, self.n_layers)))
 
     def _hook(self, index: int, hidden: mx.array) -> None:
         self._calls += 1

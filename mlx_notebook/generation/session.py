@@ -32,8 +32,8 @@ from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
 from .decode_batch import DecodeBatch, Row
-from .engine import prefill
 from .handle import Reporter
+from .prefill import prefill
 from .prefix_cache import PromptCache, trimmed
 from .prompt import prepare_prompt
 from .states import State

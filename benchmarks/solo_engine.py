@@ -1,61 +1,31 @@
-"""One generation, phase by phase, with a checkpoint between every two pieces of work.
+"""The one-generation loop from before batching, kept as the reference a batch of one is compared against.
 
-Phases: load (parameters evaluated in budget-sized batches), prepare (chat
-template, tokenization), prefill (prompt chunks, or groups of layers of a
-chunk, sized so that one piece fits the stop budget), decode (one token per
-piece).
-
-The engine never synchronizes on a stop itself: it raises
-:class:`~mlx_notebook.control.Cancelled` out of a checkpoint and the worker,
-which owns the stream, synchronizes before it reports the generation stopped.
-A pause synchronizes in place (the pace's ``on_pause``) and blocks inside the
-checkpoint, so the KV cache, the sampler key and a queued decode step all
-survive it and resume continues with exactly the tokens an uninterrupted run
-gives.
-
-This module never imports IPython or ipywidgets.
+``Engine.run`` loads, prefills (the library's own :func:`~mlx_notebook.generation.prefill.prefill`)
+and decodes one generation on the calling thread, token by token, with mlx-lm's
+pipelining while two steps fit the budget. The library runs every generation
+through :class:`~mlx_notebook.generation.decode_batch.DecodeBatch` (a batch of
+one is a solo run); only :mod:`benchmarks.batching` runs this, to show that a
+batch of one costs what this loop cost.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import mlx.core as mx
 
-from ..control import Pace
-from ..errors import InvalidArgumentError
-from ..loading.store import LoadedModel, ModelStore
-from .chunks import ChunkPlanner, builds_kernels_per_shape
-from .pieces import prefill_runner
-from .prompt import prepare_prompt
-from .request import GenerationRequest
-from .sampling import make_sampler
-from .states import State
-from .stats import FinishReason, GenerationStats
-from .wired import wired_limit
-
-# A chunk is sized to this share of the budget: per-token cost grows with the
-# prompt position (attention), so the next chunk runs a bit slower than the last.
-BUDGET_SHARE = 0.7
-# Decode keeps a second step queued only while two steps fit this share of the
-# budget: a stop that lands while the worker waits for one token also waits
-# for the step queued behind it.
-DECODE_BUDGET_SHARE = 0.8
-# Weight of the newest decode step in the running step-time average.
-STEP_EMA = 0.2
-
-
-class Sink(Protocol):
-    """Where the engine reports what happens (the worker's reporter for one generation)."""
-
-    stats: GenerationStats
-
-    def set_state(self, state: State) -> None: ...
-
-    def progress(self, phase: str, done: int, total: int) -> None: ...
-
-    def emit(self, token_ids: list[int], text: str) -> None: ...
+from mlx_notebook.control import Pace
+from mlx_notebook.errors import InvalidArgumentError
+from mlx_notebook.generation.budget import DECODE_PIPELINE_SHARE, STEP_EMA
+from mlx_notebook.generation.prefill import Sink, prefill
+from mlx_notebook.generation.prompt import prepare_prompt
+from mlx_notebook.generation.request import GenerationRequest
+from mlx_notebook.generation.sampling import make_sampler
+from mlx_notebook.generation.states import State
+from mlx_notebook.generation.stats import FinishReason, GenerationStats
+from mlx_notebook.generation.wired import wired_limit
+from mlx_notebook.loading.store import LoadedModel, ModelStore
 
 
 class Engine:
@@ -106,42 +76,6 @@ class Engine:
                 )
 
 
-def prefill(
-    loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink, start: int = 0
-) -> None:
-    """Feed all but the last prompt token through the model in adaptive chunks.
-
-    ``start`` prompt tokens are in ``cache`` already (a prompt-cache hit).
-
-    A :class:`~.chunks.ChunkPlanner` sizes each chunk from the measured cost
-    of the recent ones so that one piece of work takes about ``BUDGET_SHARE *
-    pace.budget_s``; it starts from the model's last measurement, or small.
-    """
-    total = len(prompt)
-    to_process = total - 1
-    ids = mx.array(prompt, dtype=mx.uint32)
-    runner = prefill_runner(loaded, cache, pace)
-    sink.stats.prefill_pieces = runner.pieces
-    shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
-    planner = ChunkPlanner(loaded.prefill_cost, shapes)
-    done = start
-    sink.progress("prefill", done, total)
-    while done < to_process:
-        target = pace.budget_s * BUDGET_SHARE * runner.chunk_budget_factor
-        n = planner.next_chunk(target, done, to_process - done)
-        t0 = time.perf_counter()
-        runner.run(ids[None, done : done + n])
-        planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)
-        sink.stats.prefill_pieces = runner.pieces
-        done += n
-        sink.stats.prefill_chunks += 1
-        sink.progress("prefill", done, total)
-        mx.clear_cache()
-        pace.checkpoint()
-    if planner.cost is not None:
-        loaded.prefill_cost = planner.cost
-
-
 def decode(
     loaded: LoadedModel,
     cache: list[Any],
@@ -160,7 +94,7 @@ def decode(
     current token is read (two steps in flight, mlx-lm's pipelining) depends
     on the budget: a stop that lands while the worker waits for a token waits
     for the queued step too, so the second step is queued only while two
-    steps fit ``DECODE_BUDGET_SHARE`` of the budget. Otherwise it is submitted
+    steps fit ``DECODE_PIPELINE_SHARE`` of the budget. Otherwise it is submitted
     once the current token is read (at once when no stop or pause is waiting,
     after the checkpoint when one is), and a stop waits for at most one step.
     """
@@ -239,5 +173,5 @@ def _measure_step(stats: GenerationStats, seconds: float, budget_s: float) -> No
     """Update the decode step time and choose how many steps to keep in flight."""
     step = seconds if stats.decode_step_s is None else (1 - STEP_EMA) * stats.decode_step_s + STEP_EMA * seconds
     stats.decode_step_s = step
-    stats.decode_in_flight = 2 if 2 * step <= DECODE_BUDGET_SHARE * budget_s else 1
+    stats.decode_in_flight = 2 if 2 * step <= DECODE_PIPELINE_SHARE * budget_s else 1
     stats.budget_below_step = step > budget_s

@@ -1,0 +1,91 @@
+"""The prefill loop: a prompt fed through the model in pieces that each fit the stop budget.
+
+Every prefill runs here: a generation alone, one that joins a decoding batch
+(:mod:`.session`, whose pace runs the other rows' steps at the checkpoints)
+and one on the ranks of a cluster (:mod:`mlx_notebook.cluster.steps`, whose
+pace agrees every decision across ranks). The loop asks its pace to *agree*
+each chunk size (:meth:`~mlx_notebook.control.Pace.agree`): one process takes
+its planner's proposal; ranks take rank 0's, so every rank runs the same
+shapes and stops at the same boundary.
+
+The engine never synchronizes on a stop itself: it raises
+:class:`~mlx_notebook.control.Cancelled` out of a checkpoint and the worker,
+which owns the stream, synchronizes before it reports the generation stopped.
+A pause synchronizes in place (the pace's ``on_pause``) and blocks inside the
+checkpoint, so the KV cache survives it and resume continues exactly.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from ..control import Pace
+from ..loading.store import LoadedModel
+from .budget import PREFILL_SHARE
+from .chunks import ChunkPlanner, builds_kernels_per_shape
+from .pieces import prefill_runner
+from .states import State
+from .stats import GenerationStats
+
+
+class Sink(Protocol):
+    """Where the engine reports what happens (the worker's reporter for one generation, or a rank's)."""
+
+    stats: GenerationStats
+
+    def set_state(self, state: State) -> None: ...
+
+    def progress(self, phase: str, done: int, total: int) -> None: ...
+
+    def emit(self, token_ids: list[int], text: str) -> None: ...
+
+
+def prefill(
+    loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink, start: int = 0
+) -> None:
+    """Feed all but the last prompt token through the model in adaptive chunks.
+
+    ``start`` prompt tokens are in ``cache`` already (a prompt-cache hit).
+
+    A :class:`~.chunks.ChunkPlanner` proposes each chunk from the measured cost
+    of the recent ones so that one piece of work takes about ``PREFILL_SHARE *
+    pace.budget_s``; it starts from the model's last measurement, or small.
+    There is a checkpoint before the first chunk, between every two (the one
+    that agrees the next size) and after the last.
+    """
+    total = len(prompt)
+    to_process = total - 1
+    ids = mx.array(prompt, dtype=mx.uint32)
+    runner = prefill_runner(loaded, cache, pace)
+    sink.stats.prefill_pieces = runner.pieces
+    shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
+    planner = ChunkPlanner(loaded.prefill_cost, shapes)
+    done = start
+    sink.progress("prefill", done, total)
+
+    def agreed_chunk() -> int:
+        target = pace.budget_s * PREFILL_SHARE * runner.chunk_budget_factor
+        return pace.agree(planner.next_chunk(target, done, to_process - done))
+
+    if done < to_process:
+        n = agreed_chunk()
+        while True:
+            t0 = time.perf_counter()
+            runner.run(ids[None, done : done + n])
+            planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)
+            sink.stats.prefill_pieces = runner.pieces
+            done += n
+            sink.stats.prefill_chunks += 1
+            sink.progress("prefill", done, total)
+            mx.clear_cache()
+            if done >= to_process:
+                break
+            n = agreed_chunk()
+    pace.checkpoint()
+    if planner.cost is not None:
+        loaded.prefill_cost = planner.cost
