@@ -303,6 +303,7 @@ class MLXGen(Magics):
             waiting=waiting,
             format=args.format or self.format,
             notice=self.first_view_notice,
+            show_thinking=getattr(args, "show_thinking", False) or self.show_thinking,
         )
         self.first_view_notice = ""
         view.show()

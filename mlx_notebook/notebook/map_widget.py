@@ -35,7 +35,7 @@ from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
 from ..many import Batch
 from .routing import Bundle, DisplayRouter, current_parent, keep_frontend_subshell, msg_id, thread_parent
-from .text_form import error_line
+from .text_form import error_line, thinking_line
 from .widget import METADATA_KEY, OUTCOME_COLOR, OUTCOME_STYLE, choose_ui
 
 MAP_METADATA_KEY = METADATA_KEY + "_map"
@@ -63,7 +63,9 @@ def row_line(index: int, gen: Generation) -> str:
     if gen.error is not None:
         parts.append(f"error: {error_line(gen.error)}")
     elif gen.text:
-        parts.append(preview(gen.text))
+        parts.append(preview(gen.text))  # the answer: a reasoning model's thinking is not previewed
+    elif line := thinking_line(gen):
+        parts.append(line)
     return " · ".join(parts)
 
 

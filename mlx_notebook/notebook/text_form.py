@@ -23,6 +23,8 @@ def status_line(gen: Generation, ended_by: str = "") -> str:
     s = gen.stats
     state = f"{gen.state}: {ended_by}" if ended_by else f"{gen.state}"
     parts = [f"#{gen.id} {state}", f"{s.generated_tokens} tokens"]
+    if s.reasoning_tokens:
+        parts.append(f"{s.reasoning_tokens} thinking")
     if s.cached_tokens:
         parts.append(f"{s.cached_tokens:,} cached")
     if s.batch_size > 1:
@@ -48,8 +50,25 @@ def error_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def plain_text(gen: Generation, ended_by: str = "") -> str:
-    """The ``text/plain`` form: the text, then the status line in brackets."""
+def thinking_line(gen: Generation) -> str:
+    """How long it thought: ``thought for 312 tokens, 4.1 s`` (``thinking: ...`` while it does); ``""`` if it did not."""
+    s = gen.stats
+    if not s.reasoning_tokens and not gen.reasoning:
+        return ""
+    seconds = f", {s.reasoning_s:.1f} s" if s.reasoning_s is not None else ""
+    verb = "thinking:" if gen.thinking else "thought for"
+    return f"{verb} {s.reasoning_tokens} tokens{seconds}"
+
+
+def plain_text(gen: Generation, ended_by: str = "", *, show_thinking: bool = False) -> str:
+    """The ``text/plain`` form: how long it thought (the reasoning too with ``show_thinking``), the answer,
+    then the status line in brackets."""
+    head = ""
+    if line := thinking_line(gen):
+        head = f"[{line}]\n"
+        if show_thinking and gen.reasoning.strip():
+            head += f"{gen.reasoning.strip()}\n[end of thinking]\n"
+        head += "\n"
     text = gen.text
     sep = "\n\n" if text else ""
-    return f"{text}{sep}[mlxgen {status_line(gen, ended_by)}]"
+    return f"{head}{text}{sep}[mlxgen {status_line(gen, ended_by)}]"

@@ -46,7 +46,8 @@ from .logprobs_view import TAIL_ROWS, LogprobsTable
 from .markdown_view import OUTCOME_COLOR, MarkdownArea, empty_note, final_markdown
 from .routing import Bundle, DisplayRouter, current_parent, keep_frontend_subshell, msg_id, thread_parent
 from .text_form import error_line as error_line  # cluster_magic imports it from here
-from .text_form import plain_text, status_line
+from .text_form import plain_text, status_line, thinking_line
+from .thinking_pane import ThinkingPane, thinking_details
 
 UI_CHOICES = ("auto", "widget", "text")
 FORMAT_CHOICES = ("markdown", "text")
@@ -76,6 +77,8 @@ class GenerationView:
           Default: ``"text"`` (``MLXGen.format`` defaults to Markdown).
         notice: One line to show with this generation (e.g. a slow BLAS).
           Default: ``""``.
+        show_thinking: Text forms show a reasoning model's reasoning in full,
+          not one line. Default: ``False``.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class GenerationView:
         router: DisplayRouter | None = None,
         format: str = "text",
         notice: str = "",
+        show_thinking: bool = False,
     ) -> None:
         self.gen = gen
         self.shell = shell
@@ -94,6 +98,7 @@ class GenerationView:
         self.router = router
         self.format = format
         self.notice = notice
+        self.show_thinking = show_thinking
         self.ended_by = ""  # why it ended when not by itself or the user
         self.handle: Any = None
         self.parent = current_parent(shell)
@@ -182,14 +187,15 @@ class GenerationView:
         and ``text/plain``, no widget: readable without widget state."""
         data = {"text/plain": self.plain_text(final=True)}
         if self.format == "markdown":
-            data["text/markdown"] = final_markdown(self.gen, self.status_text())
+            # The reasoning folded above the answer, as <details>: readable without widget state.
+            data["text/markdown"] = thinking_details(self.gen) + final_markdown(self.gen, self.status_text())
             if self.logprobs is not None and (table := self.logprobs.markdown()):
                 data["text/markdown"] += f"\n{table}\n"
         return Bundle(data, self._metadata())
 
     def plain_text(self, *, final: bool) -> str:
         """The ``text/plain`` form; with log-probs, their table under it (the last rows until ``final``)."""
-        text = plain_text(self.gen, self.ended_by)
+        text = plain_text(self.gen, self.ended_by, show_thinking=self.show_thinking)
         if self.logprobs is None:
             return text
         return f"{text}\n\n{self.logprobs.text(last=None if final else TAIL_ROWS)}"
@@ -263,7 +269,9 @@ class WidgetView(GenerationView):
         )
         controls.add_class(LIVE_CLASS)  # hidden once the kernel is gone (see .disconnected)
         answer = self.markdown.box if self.markdown is not None else self.text
-        parts = [controls, answer, self.status, disconnected_note()]
+        # A reasoning model's thinking, above the answer (an empty box for other models).
+        self.thinking = ThinkingPane()
+        parts = [controls, self.thinking.box, answer, self.status, disconnected_note()]
         if self.logprobs_html is not None:
             parts.insert(3, self.logprobs_html)
         if self.notice:
@@ -281,7 +289,12 @@ class WidgetView(GenerationView):
 
     def _on_stop_click(self, button: Any) -> None:
         self.gen.cancel()
-        self.draw(final=self.gen.finished)
+        self._redraw()
+
+    def _redraw(self) -> None:
+        # With the cell's parent: a widget made in this draw (the Thinking pane) opens in that cell.
+        with thread_parent(self.shell, self.parent):
+            self.draw(final=self.gen.finished)
 
     def _on_pause_click(self, button: Any) -> None:
         gen = self.gen
@@ -289,7 +302,7 @@ class WidgetView(GenerationView):
             gen.resume()
         elif gen.state.running:
             gen.pause()
-        self.draw(final=gen.finished)
+        self._redraw()
 
     # -- drawing -------------------------------------------------------------------------
 
@@ -320,6 +333,7 @@ class WidgetView(GenerationView):
                 self.pause_button.hold_sync(),
                 self.text.hold_sync(),
             ):
+                self.thinking.update(gen)
                 self._draw_answer(final)
                 if self.logprobs is not None and self.logprobs_html is not None:
                     self.logprobs_html.value = self.logprobs.html(final=final)
@@ -385,6 +399,8 @@ class TerminalView(GenerationView):
         super().__init__(gen, **kwargs)
         self.stream = stream
         self._printed = 0
+        self._thought = 0
+        self._said_thought = False
 
     def _display(self) -> None:
         if self.notice:
@@ -399,7 +415,16 @@ class TerminalView(GenerationView):
         if not self.stream:
             return
         with self._lock:
-            text = self.gen.text
+            gen = self.gen
+            if self.show_thinking:
+                reasoning = gen.reasoning
+                print(reasoning[self._thought :], end="", flush=True)
+                self._thought = len(reasoning)
+            text = gen.text
+            if (text or final) and not self._said_thought and (line := thinking_line(gen)):
+                # One line before the answer; the reasoning itself only with show_thinking.
+                self._said_thought = True
+                print(f"{chr(10) if self.show_thinking else ''}[{line}]", flush=True)
             print(text[self._printed :], end="", flush=True)
             self._printed = len(text)
             if final:
@@ -445,6 +470,7 @@ def make_view(
     waiting: bool = False,
     format: str = "text",
     notice: str = "",
+    show_thinking: bool = False,
 ) -> GenerationView:
     """The right view for this shell and setting (not shown yet: call ``show()``).
 
@@ -458,9 +484,12 @@ def make_view(
           Default: ``False``.
         format: ``"markdown"`` or ``"text"``. Default: ``"text"``.
         notice: One line to show with it. Default: ``""``.
+        show_thinking: Text forms show the reasoning in full. Default: ``False``.
     """
     kind = choose_ui(ui, shell)
-    kwargs: dict[str, Any] = dict(shell=shell, throttle=throttle, router=router, format=format, notice=notice)
+    kwargs: dict[str, Any] = dict(
+        shell=shell, throttle=throttle, router=router, format=format, notice=notice, show_thinking=show_thinking
+    )
     if kind == "terminal":
         return TerminalView(gen, stream=waiting, **kwargs)
     if kind == "text":
