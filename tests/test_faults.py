@@ -16,7 +16,6 @@ Also the regression tests of the bugs the campaign found.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -176,7 +175,6 @@ def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_p
     gen.add_listener(on_event)
     blocker.cancel()
     assert paused.wait(60), f"never paused during load: {states}"
-    time.sleep(0.05)
     gen.resume()
     assert gen.wait(60) and gen.state == "done"
     after = states[states.index("paused") + 1]
@@ -202,12 +200,19 @@ def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model:
     try:
         assert session.execute("%load_ext mlx_notebook").ok
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok  # loaded
-        # Make that step slow, so the interrupt surely lands in it.
+        # Make that step slow, and say when it begins, so the interrupt surely lands in it.
         assert session.execute(
-            f"import time; {module}\n_slow = {target}\n{target} = lambda *a: (time.sleep(1.5), _slow(*a))[1]"
+            f"import time; {module}\n_slow = {target}\n"
+            f"{target} = lambda *a: (print('slow step', flush=True), time.sleep(1.5), _slow(*a))[2]"
         ).ok
         cell = session.start(f"%%mlxgen -m {tiny_model} -n 100000 --wait -o g\nhi")
-        time.sleep(0.7)
+        session.wait_until(
+            lambda: any(
+                m["msg_type"] == "stream" and "slow step" in m["content"]["text"] for m in session.with_parent(cell)
+            ),
+            60,
+            "the slow step to begin",
+        )
         session.km.interrupt_kernel()
         reply = session.reply_to(cell, timeout=60)
         assert session.execute(f"{target} = _slow").ok
@@ -223,16 +228,31 @@ def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model:
 
 
 _FIRST_LOAD = """
-import atexit, sys, time
+import atexit, sys, threading, time
+
+
+class SlowImport:
+    \"\"\"A slower machine: importing transformers (mlx-lm's first load imports it) takes 3 s more.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers":
+            time.sleep(3.0)
+        return None
+
+
+sys.meta_path.insert(0, SlowImport())
 import mlx_notebook
 assert "mlx_lm.utils" not in sys.modules
 gen = mlx_notebook.generate("hi", model=sys.argv[1], max_tokens=1000)
+deadline = time.monotonic() + 60
 while gen.state != "loading":
+    assert time.monotonic() < deadline and not gen.finished, gen.state
     time.sleep(0.001)
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[2]))  # the moment of the stop: a parameter, not a wait
 gen.cancel()
 assert gen.wait(30)
-print("RESULT", gen.state, gen.stats.stop_latency_s)
+importing = any(t.name == "mlx-notebook-import" and t.is_alive() for t in threading.enumerate())
+print("RESULT", gen.state, gen.stats.stop_latency_s, importing)
 # Keep the stopped import running into the interpreter's exit, as a slower machine would.
 atexit.register(time.sleep, 1.0)
 """
@@ -253,7 +273,10 @@ def test_stop_during_the_first_import_of_mlx_lm_is_quick(tiny_model: str, delay:
         cwd=str(Path(__file__).parent.parent),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    _, state, latency = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT")).split()
-    assert state == "stopped" and float(latency) < 0.5, proc.stdout
+    _, state, latency, importing = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT")).split()
+    # Stopped while the import still ran: the stop did not wait for it (how quickly is
+    # a figure for benchmarks/wall_clock.py, not a pass mark on a shared CPU).
+    assert state == "stopped" and importing == "True", proc.stdout
+    print(f"stop during the first import of mlx-lm: {float(latency):.3f} s")
     # The import left running must not trip over the interpreter's exit.
     assert "Error" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr

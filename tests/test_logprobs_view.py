@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import math
 import re
+import time
 from typing import Any
 
 import pytest
@@ -173,7 +174,9 @@ def test_rows_are_rendered_once_and_names_decoded_in_batches(worker, tiny_model)
     table = LogprobsTable(gen, names=TokenNames(decode))
     seen: list[str] = []
     ticks = 0
+    deadline = time.monotonic() + 120
     while not gen.finished:
+        assert time.monotonic() < deadline, f"generation #{gen.id} still {gen.state} after 120 s"
         table.update()
         ticks += 1
         assert table.rows[: len(seen)] == seen  # earlier rows are never redrawn

@@ -7,12 +7,11 @@ one after another or decodes them together.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import mlx_notebook
 from mlx_notebook import Batch, Generation, InvalidArgumentError, ModelNotFoundError, State
+from testkit.waiting import other_generation, wait_tokens, wait_until
 
 PROMPTS = ["Tell me about Peru.", "Tell me about Chile.", "Tell me about Spain."]
 N = 16
@@ -34,13 +33,6 @@ def solo(worker: mlx_notebook.Worker, tiny_model: str) -> list[list[int]]:
 def many(worker: mlx_notebook.Worker, model: str, prompts: list = PROMPTS, **options) -> Batch:
     options.setdefault("max_tokens", N)
     return mlx_notebook.generate_many(prompts, model=model, worker=worker, **options)
-
-
-def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_results_equal_the_solo_runs(worker, tiny_model: str, solo: list[list[int]]) -> None:
@@ -76,7 +68,7 @@ def test_cancel_one_member_leaves_the_others(worker, tiny_model: str, solo: list
 
 def test_cancel_all(worker, tiny_model: str) -> None:
     batch = many(worker, tiny_model, max_tokens=LONG)
-    wait_until(lambda: batch[0].stats.generated_tokens >= 2)
+    wait_tokens(batch[0], 2)
     batch.cancel()
     assert batch.wait(timeout=30)
     assert batch.states == [State.STOPPED] * 3
@@ -86,10 +78,18 @@ def test_cancel_all(worker, tiny_model: str) -> None:
 
 def test_pause_and_resume_all_give_the_solo_tokens(worker, tiny_model: str, solo: list[list[int]]) -> None:
     batch = many(worker, tiny_model, max_tokens=LONG)
-    wait_until(lambda: batch[0].stats.generated_tokens >= 2)
+    wait_tokens(batch[0], 2)
     batch.pause()
-    wait_until(lambda: State.PAUSED in batch.states and not any(s.running for s in batch.states))
+    wait_until(
+        lambda: State.PAUSED in batch.states and not any(s.running for s in batch.states) or batch.finished,
+        60,
+        "every input paused or queued",
+    )
     assert not batch.finished
+    # Nothing moves while another generation runs to its end on the same worker.
+    held = [g.tokens for g in batch]
+    other_generation(worker, tiny_model)
+    assert [g.tokens for g in batch] == held and not any(s.running for s in batch.states), batch.states
     batch.resume()
     assert batch.results(timeout=120) == batch.texts
     assert [g.tokens for g in batch] == solo

@@ -132,10 +132,8 @@ def test_cancel_propagates_and_ends_child(tmp_path_factory):
     finally:
         mod._Child = real_child
     assert len(started) == 1
-    deadline = time.monotonic() + 10
-    while started[0].poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert started[0].poll() is not None
+    # The stopped child process ends (it is killed, not left to finish).
+    started[0].wait(timeout=30)
 
 
 def test_load_error_propagates(tmp_path):
