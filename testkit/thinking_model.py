@@ -43,10 +43,13 @@ TEMPLATES = {
 }
 
 
-def make_thinking_model(folder: Path, *, template: str = "r1", seed: int = 0) -> Path:
-    """Write a random-weight llama whose tokenizer has ``<think>``/``</think>`` and the ``template`` chat template."""
+def make_thinking_model(folder: Path, *, template: str = "r1", seed: int = 0, **size: int) -> Path:
+    """Write a random-weight llama whose tokenizer has ``<think>``/``</think>`` and the ``template`` chat template.
+
+    ``size``: ``layers``, ``hidden``, ``heads``... as for :func:`~testkit.tiny_model.make_tiny_model`.
+    """
     return make_tiny_model(
-        folder, seed=seed, special_tokens=(THINK_START, THINK_END), chat_template=TEMPLATES[template]
+        folder, seed=seed, special_tokens=(THINK_START, THINK_END), chat_template=TEMPLATES[template], **size
     )
 
 
