@@ -398,6 +398,33 @@ def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
         assert "ready" in kernel.execute("%mlxgen_cluster status").stream("stdout")
         pgid = kernel.eval("__import__('mlx_notebook').cluster.status().launcher_pid")
         assert group_members(pgid)
+
+        # The job magics see the cluster's generations: listed, stopped one by one and all at once.
+        assert kernel.execute("%%mlxgen -m tiny -n 100000 -o h1\nHello there").ok
+        assert kernel.execute("%%mlxgen -m tiny -n 100000 -o h2\nHello there").ok  # queued on rank 0
+        h1, h2 = kernel.eval("(h1.id, h2.id)")
+        jobs = kernel.execute("%mlxgen_jobs").stream("stdout")
+        assert f"{h1} " in jobs and f"{h2} " in jobs, jobs
+        stopped = kernel.execute(f"%mlxgen_stop {h2}").stream("stdout")
+        assert f"stopping #{h2}" in stopped, stopped
+        stopped = kernel.execute("%mlxgen_stop all").stream("stdout")
+        assert f"#{h1}" in stopped, stopped
+        assert kernel.eval("(h1.wait(30), h2.wait(30), str(h1.state), str(h2.state))") == (
+            True,
+            True,
+            "stopped",
+            "stopped",
+        )
+        assert "nothing to stop" in kernel.execute("%mlxgen_stop all").stream("stdout")
+
+        # %mlxgen_cluster stop ends every rank; the cluster's model name then says what to do.
+        assert "cluster stopped" in kernel.execute("%mlxgen_cluster stop", 60).stream("stdout")
+        wait_gone(pgid)
+        after = kernel.execute("%%mlxgen -m tiny -n 2 --wait\nhi")
+        assert not after.ok and "restart" in after.content["evalue"], after.content
+        reply = kernel.execute("%mlxgen_cluster restart", 180)
+        assert reply.ok and "cluster ready" in reply.stream("stdout"), reply.content
+        pgid = kernel.eval("__import__('mlx_notebook').cluster.status().launcher_pid")
     finally:
         kernel.process.kill()  # a crash: no atexit, no shutdown hook
         kernel.close()
