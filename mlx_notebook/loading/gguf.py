@@ -3,9 +3,18 @@
 A GGUF file holds the weights, the model's hyperparameters and its tokenizer.
 :func:`convert_gguf` turns one into a folder that ``mlx_lm.load`` reads fully
 offline: ``model.safetensors`` (quantized tensors stay MLX affine triplets),
-``config.json``, ``tokenizer.json`` and ``tokenizer_config.json``. Any family
-transformers' GGUF mapping, ``gguf``'s tensor names and mlx-lm all know loads:
-llama, mistral, qwen2, qwen3 and more.
+``config.json``, ``tokenizer.json`` and ``tokenizer_config.json``. A family
+loads when transformers' GGUF mapping, ``gguf``'s tensor names and mlx-lm all
+know it and its tensors need no rewriting beyond what :mod:`.gguf_model` undoes:
+llama, mistral, qwen2, qwen3, phi3 (partial rotary and longrope included),
+gemma2, gemma3 (text) and more; mixture-of-experts files and families whose
+tensors transformers reshapes while loading are refused in one line.
+
+Tensor types: a file of F32, F16, BF16, Q4_0, Q4_1 and Q8_0 tensors is read by
+``mx.load`` (quantized tensors stay MLX affine triplets); a file holding
+K-quants or IQ types goes through :mod:`.gguf_blocks` instead (gguf's
+dequantizers, MLX affine bits per type as :mod:`.gguf_quants` says, in
+budget-sized row blocks with a checkpoint after each).
 
 A model file is input, and ``mx.load`` can crash the process on a malformed
 GGUF header, so :func:`check_gguf` validates it first (:mod:`.gguf_header`)
@@ -28,14 +37,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
+from ..control import Pace, unpaced
 from ..errors import InvalidArgumentError, ModelFormatError
+from .gguf_blocks import convert_blocks
 from .gguf_header import FIX_DOWNLOAD, GGUFInfo, GGUFTensor, open_checked, read_header
 from .gguf_model import ModelPlan, plan_model
+from .gguf_quants import MLX_READS
 
 __all__ = [
     "DEFAULT_GGUF_NAME",
@@ -50,9 +63,10 @@ __all__ = [
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the folder convert_gguf writes changes, so stale caches are redone.
-# (Folders of format 1, from mlx-notebook's own GGUF reader, hold the same weights
-# and tokenize the same: they stay valid.)
-CONVERSION_FORMAT = 1
+# 2: rotary settings (partial rotary, scaling, rope factor tensors) in the config;
+# a format-1 folder of a Phi-4-mini file computes other logits.
+CONVERSION_FORMAT = 2
+ProgressCallback = Callable[[int, int], None]
 _MARKER = "mlx_notebook_gguf.json"
 _DIGESTS = "gguf-digests.json"
 
@@ -115,8 +129,8 @@ def _read_bf16(info: GGUFInfo, tensor: GGUFTensor) -> Any:
     return mx.array(raw.reshape(tensor.shape)).view(mx.bfloat16)
 
 
-def _load_tensors(info: GGUFInfo, names: dict[str, str], scratch: Path) -> dict[str, Any]:
-    """The file's tensors under their mlx-lm names (``names`` maps each ``.weight``, ``.bias``)."""
+def _load_tensors(info: GGUFInfo, plan: ModelPlan, scratch: Path) -> dict[str, Any]:
+    """The file's tensors under their mlx-lm names, through ``mx.load`` (only :data:`MLX_READS` types)."""
     import mlx.core as mx
 
     source = info.path
@@ -134,11 +148,16 @@ def _load_tensors(info: GGUFInfo, names: dict[str, str], scratch: Path) -> dict[
         if source != info.path:
             source.unlink(missing_ok=True)
     weights = {}
+    names = plan.names
     for name, array in loaded.items():
         tensor = info.tensors.get(name)
         if tensor is not None and tensor.type_name == "BF16":
             array = _read_bf16(info, tensor)
+        if name in plan.shifts:
+            array = array.astype(mx.float32) + plan.shifts[name]
         stem, _, suffix = name.rpartition(".")
+        if name not in names and stem + ".weight" not in names:
+            continue  # rotary factors: already in the config
         # mx.load splits a quantized X.weight into X.weight, X.scales and X.biases.
         weights[names[name] if name in names else f"{names[stem + '.weight'][: -len('weight')]}{suffix}"] = array
     return weights
@@ -160,7 +179,13 @@ def _marker_ok(folder: Path) -> bool:
     return isinstance(marker, dict) and marker.get("format") == CONVERSION_FORMAT
 
 
-def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+def convert_gguf(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    pace: Pace | None = None,
+    progress: ProgressCallback | None = None,
+) -> Path:
     """Convert a llama-family GGUF file into an mlx-lm model folder.
 
     The folder is built in a temporary sibling and moved into place at the end,
@@ -171,6 +196,10 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         path: The ``.gguf`` file.
         out_dir: The folder to create. It must not exist, be empty, or hold an
             earlier conversion.
+        pace: Checkpoint and budget of a block-by-block conversion (K-quant and
+            IQ files). Default: one nobody stops.
+        progress: Called with ``(bytes_done, bytes_total)`` of the tensor data
+            while converting block by block. Default: ``None``.
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`, ready for ``mlx_lm.load``.
@@ -179,17 +208,26 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         ModelNotFoundError: ``path`` does not exist.
         ModelFormatError: ``path`` is not a GGUF file mlx-notebook can convert.
         InvalidArgumentError: ``out_dir`` holds something else.
+        Cancelled: ``pace`` was stopped; nothing is left at ``out_dir``.
     """
     info = read_header(path)
     plan = plan_model(info)
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and (_is_conversion(out_dir) or not any(out_dir.iterdir()))):
         raise InvalidArgumentError(f"{out_dir}: exists and is not an mlx-notebook GGUF conversion; give a new folder")
-    _convert(info, plan, out_dir, replace=True)
+    _convert(info, plan, out_dir, replace=True, pace=pace or unpaced(), progress=progress)
     return out_dir
 
 
-def _convert(info: GGUFInfo, plan: ModelPlan, out_dir: Path, *, replace: bool) -> None:
+def _convert(
+    info: GGUFInfo,
+    plan: ModelPlan,
+    out_dir: Path,
+    *,
+    replace: bool,
+    pace: Pace,
+    progress: ProgressCallback | None,
+) -> None:
     """Write the folder for a checked file; ``replace`` says what to do if ``out_dir`` exists.
 
     With ``replace`` an existing folder is set aside and deleted. Without it the
@@ -202,9 +240,12 @@ def _convert(info: GGUFInfo, plan: ModelPlan, out_dir: Path, *, replace: bool) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         config = plan.config
-        weights = _load_tensors(info, plan.names, tmp)
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        del weights
+        if all(tensor.type_name in MLX_READS for tensor in info.tensors.values()):
+            weights = _load_tensors(info, plan, tmp)
+            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+            del weights
+        else:
+            convert_blocks(info, plan.names, tmp / "model.safetensors", pace, shifts=plan.shifts, progress=progress)
         _write_json(tmp / "config.json", config)
         _write_json(
             tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
@@ -261,7 +302,13 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def cached_conversion(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> Path:
+def cached_conversion(
+    path: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str],
+    *,
+    pace: Pace | None = None,
+    progress: ProgressCallback | None = None,
+) -> Path:
     """The converted folder for a GGUF file, converting it only the first time.
 
     The folder is ``cache_dir / "gguf-<first 16 hex digits of the file's SHA-256>"``,
@@ -272,6 +319,10 @@ def cached_conversion(path: str | os.PathLike[str], cache_dir: str | os.PathLike
     Args:
         path: The ``.gguf`` file.
         cache_dir: Where converted folders live; created if missing.
+        pace: Checkpoint and budget of the conversion (see :func:`convert_gguf`).
+            Default: one nobody stops.
+        progress: Called with ``(bytes_done, bytes_total)`` (see :func:`convert_gguf`).
+            Default: ``None``.
 
     Returns:
         The folder, ready for ``mlx_lm.load``.
@@ -279,6 +330,7 @@ def cached_conversion(path: str | os.PathLike[str], cache_dir: str | os.PathLike
     Raises:
         ModelNotFoundError: ``path`` does not exist.
         ModelFormatError: ``path`` is not a GGUF file mlx-notebook can convert.
+        Cancelled: ``pace`` was stopped; the cache keeps nothing of this file.
     """
     path = Path(path)
     label = path.name or str(path)
@@ -294,7 +346,7 @@ def cached_conversion(path: str | os.PathLike[str], cache_dir: str | os.PathLike
     # Incomplete, or from an older converter: the name is our cache key, so redo it.
     shutil.rmtree(folder, ignore_errors=True)
     try:
-        _convert(info, plan, folder, replace=False)
+        _convert(info, plan, folder, replace=False, pace=pace or unpaced(), progress=progress)
     except OSError:
         if not _marker_ok(folder):  # else another process finished the same file first
             raise

@@ -10,8 +10,11 @@ file is input, so :func:`read_header` stops a bad file first, in two steps:
 2. ``gguf.GGUFReader`` parses the rest (bad type tags, truncation, invalid UTF-8
    and duplicates raise there), then we check what MLX's reader needs beyond
    what ``gguf`` checks: at most 4 dimensions (gguflib's fixed array), int32
-   sizes, tensor types ``mx.load`` converts, aligned offsets (MLX divides by a
-   uint32 alignment).
+   sizes, tensor types ``mx.load`` converts or :mod:`.gguf_quants` dequantizes,
+   aligned offsets (MLX divides by a uint32 alignment), data inside the file.
+
+Every reader of tensor data (``mx.load``, :mod:`.gguf_blocks`, the rotary-factor
+tensors :mod:`.gguf_model` reads) runs only on a header this module accepted.
 """
 
 from __future__ import annotations
@@ -24,18 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFormatError, ModelNotFoundError
+from .gguf_quants import MLX_READS, TARGETS
 
-__all__ = ["FIX_DOWNLOAD", "FIX_OTHER", "GGUFInfo", "GGUFTensor", "QUANT_BITS", "read_header"]
+__all__ = ["FIX_DOWNLOAD", "FIX_OTHER", "FIX_TYPE", "GGUFInfo", "GGUFTensor", "QUANT_BITS", "read_header"]
 
 FIX_DOWNLOAD = "re-download it"
 FIX_FOLDER = "give a .gguf file or an MLX model folder"
 FIX_OTHER = "use an MLX model folder instead (mlx_lm.convert makes one)"
-_FIX_TYPE = "use a F16, Q8_0, Q4_0 or Q4_1 file"
+FIX_TYPE = "use a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or F16 file"
 
-# The ggml types mx.load turns into something mlx-lm runs; the quantized ones
-# come back as MLX affine triplets (weight, scales, biases) with group size 32.
-_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# The ggml types mlx-notebook reads: mx.load's own (F32, F16, BF16, Q4_0, Q4_1,
+# Q8_0), and the K-quants and IQ types gguf dequantizes (.gguf_quants); every
+# quantized one becomes an MLX affine triplet with group size 32, of these bits.
+_SUPPORTED_TYPES = MLX_READS + tuple(TARGETS)
+QUANT_BITS = {name: target.bits for name, target in TARGETS.items()}
 _MAX_DIMS = 4  # gguflib keeps dims in a fixed array of 4; more overflows it.
 _MAX_INT32 = 2**31 - 1  # MLX shapes and gguflib's counts are int32.
 _HEADER_BYTES = 24  # magic, version, tensor count, key/value count
@@ -192,7 +197,7 @@ def _check_tensor(label: str, tensor: Any, alignment: int, data_offset: int, siz
     type_name = tensor.tensor_type.name
     if type_name not in _SUPPORTED_TYPES:
         raise ModelFormatError(
-            f"{label}: tensor '{name}' has type {type_name}, which mlx-notebook cannot read; {_FIX_TYPE}"
+            f"{label}: tensor '{name}' has type {type_name}, which mlx-notebook cannot read; {FIX_TYPE}"
         )
     block_values = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
     if dims[0] % block_values:
@@ -200,7 +205,8 @@ def _check_tensor(label: str, tensor: Any, alignment: int, data_offset: int, siz
             f"{label}: tensor '{name}' rows of {dims[0]} values do not fill whole {type_name} "
             f"blocks of {block_values} (corrupt GGUF file); {FIX_DOWNLOAD}"
         )
-    # mx.load counts the packed uint32 words of a quantized tensor in an int.
+    # mx.load counts the packed uint32 words of a quantized tensor in an int (our
+    # block reader's output is the same size: MLX shapes are int32 too).
     if type_name in QUANT_BITS and math.prod(dims) * QUANT_BITS[type_name] // 32 > _MAX_INT32:
         raise ModelFormatError(f"{label}: tensor '{name}' is too large for MLX's GGUF reader; {FIX_OTHER}")
     offset = int(tensor.data_offset) - data_offset

@@ -7,20 +7,26 @@ The family knowledge comes from the libraries that keep it:
   leaves to its config classes (below, each with its reason);
 - tensor names from ``gguf``'s ``TensorNameMap``: each parameter of the mlx-lm
   model, built lazily from that config, gets the GGUF name llama.cpp writes it as;
-- the tokenizer from transformers' ``convert_gguf_tokenizer``.
+- the tokenizer from transformers' ``convert_gguf_tokenizer``;
+- the rotary embedding from :mod:`.gguf_rotary` (what transformers' tables drop);
+- what llama.cpp's converter rewrites, undone here: q/k rows permuted for the
+  llama architecture (read as stored, with ``rope_traditional``), gemma's norms
+  stored +1 (the plan's ``shifts``), gemma3 as the text model mlx-lm calls
+  ``gemma3_text``.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from ..errors import ModelFormatError
-from .gguf_header import FIX_DOWNLOAD, FIX_OTHER, QUANT_BITS, GGUFInfo
+from .gguf_header import FIX_DOWNLOAD, FIX_OTHER, FIX_TYPE, QUANT_BITS, GGUFInfo
+from .gguf_rotary import ROPE_TENSORS, rotary_config
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -34,6 +40,13 @@ _IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "sma
 _GPT2_PRE = (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
 _GUARD = threading.Lock()
 _MAX_INT32 = 2**31 - 1
+# The mlx-lm model_type for a GGUF architecture whose name differs from it.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# mlx-lm models that always build lm_head and tie it when the weights lack it.
+_TIED_WHEN_ABSENT = ("gemma3_text",)
+# Gemma 27B's attention scale is 1/sqrt(hidden / heads), the others' 1/sqrt(head_dim);
+# llama.cpp tells them apart by layer count (llama-model.cpp, LLM_TYPE_27B).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True)
@@ -45,12 +58,15 @@ class ModelPlan:
         names: GGUF tensor name -> mlx-lm parameter name, for every tensor in the file.
         tokenizer: A ``tokenizers.Tokenizer`` for ``tokenizer.json``.
         tokenizer_config: The ``tokenizer_config.json``.
+        shifts: GGUF tensor name -> a constant to add while converting (gemma's
+            norms, which llama.cpp stores +1). Default: none.
     """
 
     config: dict[str, Any]
     names: dict[str, str]
     tokenizer: Any
     tokenizer_config: dict[str, Any]
+    shifts: dict[str, float] = field(default_factory=dict)
 
 
 def plan_model(info: GGUFInfo) -> ModelPlan:
@@ -85,7 +101,11 @@ def plan_model(info: GGUFInfo) -> ModelPlan:
             f"(corrupt GGUF file); {FIX_DOWNLOAD}"
         )
     tokenizer = _tokenizer(info, tokenizer_dict)
-    return ModelPlan(config, names, tokenizer, _tokenizer_config(info, parsed["tokenizer_config"]))
+    shifts = {}
+    if info.architecture in _GEMMA_27B_LAYERS:
+        # llama.cpp adds 1 to every gemma norm (ggml multiplies by the weight, gemma by 1 + weight).
+        shifts = {name: -1.0 for name in names if name.endswith("norm.weight")}
+    return ModelPlan(config, names, tokenizer, _tokenizer_config(info, parsed["tokenizer_config"]), shifts)
 
 
 # ------------------------------------------------------------------- config
@@ -102,9 +122,9 @@ def _transformers_metadata(info: GGUFInfo) -> tuple[dict[str, Any], Any]:
             f"{label}: unsupported GGUF architecture '{info.architecture}' (transformers maps "
             f"{', '.join(sorted(hf.GGUF_SUPPORTED_ARCHITECTURES))}); {FIX_OTHER}"
         )
-    if processor not in (None, hf.LlamaTensorProcessor):
-        # Norm offsets, fused or per-expert tensors: transformers rewrites these
-        # tensors while it loads them, and MLX loads them as stored.
+    if processor not in (None, hf.LlamaTensorProcessor, hf.Gemma2TensorProcessor):
+        # Fused or per-expert tensors: transformers rewrites these tensors while
+        # it loads them (gemma's norm offset is undone by the plan's shifts).
         raise ModelFormatError(
             f"{label}: GGUF architecture '{info.architecture}' stores tensors that need rewriting "
             f"before mlx-lm can run them; {FIX_OTHER}"
@@ -134,8 +154,11 @@ def _meta_int(info: GGUFInfo, key: str, default: int | None = None) -> int:
 
 def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any) -> dict[str, Any]:
     """transformers' config plus what mlx-lm needs that its config classes would default."""
+    from transformers import modeling_gguf_pytorch_utils as hf
+
     label, arch, meta = info.path.name, info.architecture, info.metadata
     config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
+    config["model_type"] = _MODEL_TYPES.get(str(config.get("model_type")), config.get("model_type"))
     if _meta_int(info, f"{arch}.expert_count", default=0) > 0:
         raise ModelFormatError(f"{label}: mixture-of-experts GGUF files are not supported; {FIX_OTHER}")
     for key, value in config.items():
@@ -153,7 +176,7 @@ def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any
         config["head_dim"] = _meta_int(info, f"{arch}.attention.key_length")
     # llama.cpp permutes q/k rows into the interleaved rotary layout for the families
     # whose tensors transformers un-permutes (LlamaTensorProcessor); mlx-lm reads them as stored.
-    config["rope_traditional"] = tensor_processor is not None
+    config["rope_traditional"] = tensor_processor is hf.LlamaTensorProcessor
     config["attention_bias"] = "blk.0.attn_q.bias" in info.tensors
     config["mlp_bias"] = "blk.0.ffn_up.bias" in info.tensors
     if config.setdefault("max_position_embeddings", 2048) < 1:  # else every prompt is "too long"
@@ -161,11 +184,9 @@ def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any
             f"{label}: invalid metadata {arch}.context_length = {config['max_position_embeddings']} "
             f"(corrupt GGUF file); {FIX_DOWNLOAD}"
         )
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    elif scaling != "none":
-        raise ModelFormatError(f"{label}: rope scaling '{scaling}' is not supported; {FIX_OTHER}")
+    if arch in _GEMMA_27B_LAYERS:
+        config.update(_gemma_config(info, config))
+    config.update(rotary_config(info, config, _model_args_fields(info, str(config.get("model_type")))))
     bos_id, eos_ids = _special_id(info, "bos"), _eos_token_ids(info)
     for key in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
         config.pop(key, None)
@@ -175,6 +196,38 @@ def _mlx_config(info: GGUFInfo, hf_config: dict[str, Any], tensor_processor: Any
         # mlx-lm stops on every id listed here, not only on the tokenizer's eos_token.
         config["eos_token_id"] = eos_ids if len(eos_ids) > 1 else eos_ids[0]
     return config
+
+
+def _gemma_config(info: GGUFInfo, config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp computes for gemma from the header and mlx-lm's gemma models need spelled out."""
+    arch = info.architecture
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    big = config.get("num_hidden_layers") == _GEMMA_27B_LAYERS[arch]
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else head_dim,
+    }
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = info.metadata.get(f"{arch}.{key}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(str(np.float32(value)))
+    if arch == "gemma3":
+        out["sliding_window_pattern"] = 6  # llama.cpp's fixed pattern: every 6th layer global
+    return out
+
+
+def _model_args_fields(info: GGUFInfo, model_type: str) -> set[str]:
+    """The fields of the mlx-lm model's ``ModelArgs`` (what its config may say)."""
+    import dataclasses
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    except ImportError:
+        raise ModelFormatError(
+            f"{info.path.name}: mlx-lm has no '{model_type}' model for this GGUF file; {FIX_OTHER}"
+        ) from None
+    return {f.name for f in dataclasses.fields(module.ModelArgs)}
 
 
 def _special_id(info: GGUFInfo, key: str) -> int | None:
@@ -239,6 +292,8 @@ def _tensor_names(info: GGUFInfo, config: dict[str, Any]) -> dict[str, str]:
         names[f"{stored}.{suffix}"] = parameter
         shapes[f"{stored}.{suffix}"] = shape
     for name, tensor in info.tensors.items():
+        if name in ROPE_TENSORS:
+            continue  # rotary settings (.gguf_rotary), not parameters
         if name not in names:
             raise ModelFormatError(
                 f"{label}: tensor '{name}' has no place in a {config['model_type']} model for mlx-lm "
@@ -250,10 +305,9 @@ def _tensor_names(info: GGUFInfo, config: dict[str, Any]) -> dict[str, str]:
                 f"implies {list(shapes[name])} (corrupt GGUF file); {FIX_DOWNLOAD}"
             )
         if tensor.type_name in QUANT_BITS and (len(tensor.shape) != 2 or not name.endswith(".weight")):
-            raise ModelFormatError(
-                f"{label}: tensor '{name}' is quantized but mlx-lm needs it unquantized; "
-                f"use a F16, Q8_0, Q4_0 or Q4_1 file"
-            )
+            raise ModelFormatError(f"{label}: tensor '{name}' is quantized but mlx-lm needs it unquantized; {FIX_TYPE}")
+    if config["model_type"] in _TIED_WHEN_ABSENT and "output.weight" not in info.tensors:
+        del names["output.weight"]  # the model's sanitize ties it to the embedding
     missing = [name for name in names if name not in info.tensors]
     if missing:
         raise ModelFormatError(f"{label}: missing tensor '{missing[0]}' (incomplete GGUF file); {FIX_DOWNLOAD}")
@@ -264,7 +318,7 @@ def _quantization(info: GGUFInfo, names: dict[str, str]) -> dict[str, Any] | Non
     """mlx-lm's ``quantization`` config: a default plus every module that differs from it."""
     bits_by_module: dict[str, int | None] = {}
     for name, tensor in info.tensors.items():
-        if name.endswith(".weight") and len(tensor.shape) == 2:  # norms and biases are never quantized
+        if name in names and name.endswith(".weight") and len(tensor.shape) == 2:  # norms, biases: never quantized
             bits_by_module[names[name].removesuffix(".weight")] = QUANT_BITS.get(tensor.type_name)
     counts: dict[int, int] = {}
     for bits in bits_by_module.values():

@@ -197,7 +197,10 @@ class ModelStore:
         if source.kind is SourceKind.GGUF:
             # Checks the header before MLX parses the file, converts once per
             # file hash, and reuses the folder after that.
-            folder = gguf.cached_conversion(source.path, self.cache)
+            # K-quant files convert block by block, a checkpoint after each.
+            folder = gguf.cached_conversion(
+                source.path, self.cache, pace=pace, progress=_step(progress, "converting GGUF")
+            )
             pace.checkpoint()
         # The first import takes seconds on a small CPU: off this thread.
         import_mlx_lm(pace)
