@@ -10,18 +10,35 @@ What it measures (EOS off, so every run decodes the same number of tokens):
 
 * solo: decode tok/s of one generation through the worker (a batch of one)
   and through the pre-batching engine loop (``Engine.run``: "today's"), alternated;
+* together: wall time of ``--batch`` generations submitted together against
+  the same ones one after another (submit, wait, next), alternated, greedy:
+  the user's view of batching, and whether each row's tokens equal its solo
+  run's;
 * batch: aggregate decode tok/s of ``--batch`` concurrent generations (counted
   over the window where all of them decode), against one generation and
   against mlx-lm's ``BatchGenerator`` on the same prompts; greedy agreement of
   every row with its solo run;
-* stop of one row while the others decode (``cancel()`` to ``wait()``), p50/p99;
+* stop of one row while the others decode (``cancel()`` to ``wait()``), p50/p99,
+  against the batched step time;
+* stop of a prompt whose tokens all come from the prefix cache
+  (``--join-length`` tokens), 0-20 ms after its submit;
 * the others' longest gap between two tokens while a ``--join-length`` prompt
   joins, against the budget and the step time;
 * prefix reuse: a ``--prefix-length`` prompt, then the same with its last
   sentence changed: time to first token cold vs warm, same tokens.
+
+It runs the defaults as shipped: no ``MLX_NOTEBOOK_BATCH`` is set here (set it
+outside to measure an override), and ``mlx_notebook`` is imported before
+``mlx`` so that the CPU's OpenBLAS fast path is what users get. The result
+records both (``batch_decode``, ``blas``). An earlier version imported ``mlx``
+first: OpenBLAS was never loaded, the default model stayed Q4_1, and MLX's
+quantized CPU matmul costs about B times one row for B rows (the 1.07x of
+``batching_cpu_default.json``; ``benchmarks/batch_step.py`` measures it).
 """
 
 from __future__ import annotations
+
+import mlx_notebook  # isort: skip  (before mlx: OpenBLAS must be loaded first)
 
 import argparse
 import contextlib
@@ -38,12 +55,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import mlx_notebook
 from benchmarks.bench import SYNTHETIC, open_model, percentile, prompt_ids, save
 from benchmarks.solo_engine import Engine
 from mlx_notebook.control import unpaced
 from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
+from mlx_notebook.loading.policy import batch_decode
 
 
 class TokenClock:
@@ -67,6 +84,8 @@ def aggregate_tps(times: list[list[float]]) -> float:
     """
     start = max(t[0] for t in times)
     end = min(t[-1] for t in times)
+    if end <= start:
+        return 0.0  # the rows never decoded at the same time
     n = sum(sum(1 for x in t if start < x <= end) for t in times)
     return n / max(end - start, 1e-9)
 
@@ -132,30 +151,106 @@ def solo_rows(worker, name, prompts, max_tokens, budget):
     return out
 
 
+def together_vs_sequential(worker, name, prompts, max_tokens, budget, repeats, solo):
+    """Wall time of the prompts submitted together against one after another, alternated."""
+    together, sequential, equal, batch_sizes = [], [], [], []
+    for r in range(repeats):
+        for who in ["together", "sequential"] if r % 2 == 0 else ["sequential", "together"]:
+            t0 = time.perf_counter()
+            if who == "together":
+                gens = [
+                    mlx_notebook.generate(p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+                    for p in prompts
+                ]
+                for g in gens:
+                    g.result()
+                together.append(time.perf_counter() - t0)
+                equal.append(sum(g.tokens == s[1] for g, s in zip(gens, solo)))
+                batch_sizes.append(max(g.stats.batch_size for g in gens))
+            else:
+                for p in prompts:
+                    mlx_notebook.generate(
+                        p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget
+                    ).result()
+                sequential.append(time.perf_counter() - t0)
+    seq, tog = statistics.median(sequential), statistics.median(together)
+    return {
+        "tokens_each": max_tokens,
+        "together_wall_s": tog,
+        "one_after_another_wall_s": seq,
+        "speedup": seq / tog,
+        "largest_batch": min(batch_sizes),
+        "rows_equal_to_solo": f"{min(equal)}/{len(prompts)} (worst of {len(equal)})",
+    }
+
+
+def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
+    """Stop a prompt whose tokens all come from the prefix cache, 0-20 ms after its submit."""
+    worker.prompt_cache_gb = 64
+    try:
+        warm = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
+        warm.result()
+        again = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
+        again.result()
+        latencies, states = [], {}
+        for _ in range(rounds):
+            gen = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=100_000, stop_budget=budget)
+            time.sleep(rng.uniform(0.0, 0.02))
+            state = str(gen.state)
+            t0 = time.perf_counter()
+            gen.cancel()
+            gen.wait()
+            latencies.append(time.perf_counter() - t0)
+            states[state] = states.get(state, 0) + 1
+    finally:
+        worker.prompt_cache_gb = 0
+    return {
+        "prompt_tokens": len(ids),
+        "cached_tokens": again.stats.cached_tokens,
+        "warm_ttft_s": again.stats.ttft_s,
+        "p50": 1000 * percentile(latencies, 50),
+        "p99": 1000 * percentile(latencies, 99),
+        "max": 1000 * max(latencies),
+        "rounds": len(latencies),
+        "state_at_stop": states,
+    }
+
+
 def wait_decoding(gens, n=2):
     while any(len(g.tokens) < n and not g.finished for g in gens):
         time.sleep(0.0005)
 
 
 def stop_one_rounds(worker, name, prompts, budget, rounds, rng):
-    latencies = []
+    """Latencies of stopping one row while the others decode, and the batch's step times."""
+    latencies, steps, worker_side = [], [], []
+    early = 0
     for _ in range(rounds):
         gens = [
             mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
         ]
+        clock = TokenClock(gens)
         wait_decoding(gens)
         time.sleep(rng.uniform(0.0, 0.2))
         victim = rng.choice(gens)
+        ended: list[float] = []
+        victim.add_listener(lambda e: ended.append(time.perf_counter()) if e.kind == "state" else None)
         t0 = time.perf_counter()
         victim.cancel()
         victim.wait()
         latencies.append(time.perf_counter() - t0)
+        worker_side.append(victim.stats.stop_latency_s or 0.0)
+        # Reported before any other row got a token after the stop: it did not wait for the step.
+        early += all(not (t0 < x < ended[-1]) for g in gens if g is not victim for x in clock.times[g.id])
         assert all(not g.finished for g in gens if g is not victim), "a stop ended another row"
+        assert max(g.stats.batch_size for g in gens) == len(gens), "the rows did not decode together"
         for g in gens:
             g.cancel()
         for g in gens:
             g.wait()
-    return latencies
+        t = clock.times[gens[0].id]
+        steps += [b - a for a, b in zip(t, t[1:]) if b < t0]
+    return latencies, steps, worker_side, early
 
 
 class GcPauses:
@@ -220,6 +315,62 @@ class Trace:
         return [f"{1000 * (t - t0):+.1f} {label}" for t, label in self.events if t0 - 0.001 <= t <= t1 + 0.001]
 
 
+class Durations:
+    """Seconds spent in each call of a few library functions while the block runs (``--profile``)."""
+
+    def __init__(self, targets: list[tuple[object, str]]) -> None:
+        self.targets = targets
+        self.calls: dict[str, list[tuple[float, float]]] = {}
+        self._undo: list = []
+
+    def __enter__(self):
+        for owner, attr in self.targets:
+            original = getattr(owner, attr)
+            spans = self.calls.setdefault(attr, [])
+
+            def timed(*args, _original=original, _spans=spans, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    _spans.append((t0, time.perf_counter()))
+
+            setattr(owner, attr, timed)
+            self._undo.append((owner, attr, original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+    def medians_ms(self) -> dict:
+        return {k: round(1000 * statistics.median(b - a for a, b in v), 3) for k, v in self.calls.items() if v}
+
+    def totals_ms(self) -> dict:
+        return {k: round(1000 * sum(b - a for a, b in v), 1) for k, v in self.calls.items()}
+
+
+def step_profile(worker, name, prompts, max_tokens, budget):
+    """Where a batched step's time goes on the worker: Python parts, the sleep awake to requests, the read."""
+    from mlx_notebook.generation.decode_batch import DecodeBatch
+
+    parts = ["step", "_forward", "_wait", "_report", "_change_rows"]
+    with Durations([(DecodeBatch, p) for p in parts]) as d:
+        gens = [
+            mlx_notebook.generate(p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+            for p in prompts
+        ]
+        for g in gens:
+            g.result()
+    steps = d.calls["step"][len(prompts) :]  # decoding together
+    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+    return {
+        "median_ms": d.medians_ms(),
+        "between_steps_ms": round(1000 * statistics.median(gaps), 3),
+        "step_period_ms": round(1000 * statistics.median(b[0] - a[0] for a, b in zip(steps, steps[1:])), 3),
+    }
+
+
 def join_gap(worker, name, prompts, join_ids, budget, trace=False):
     """Others' longest inter-token gap while a long prompt prefills and joins."""
     gens = [
@@ -267,8 +418,11 @@ def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
     cold.result()
     worker.prompt_cache_gb = 4
     mlx_notebook.generate(first, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget).result()
-    warm = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
-    warm.result()
+    from mlx_notebook.generation import session
+
+    with Durations([(session, "restore"), (session, "prefill")]) as d:
+        warm = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+        warm.result()
     worker.prompt_cache_gb = 0
     return {
         "prompt_tokens": len(second),
@@ -277,6 +431,7 @@ def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
         "warm_ttft_s": warm.stats.ttft_s,
         "warm_over_cold": warm.stats.ttft_s / cold.stats.ttft_s,
         "same_tokens": warm.tokens == cold.tokens,
+        "warm_restore_and_prefill_ms": d.totals_ms(),
     }
 
 
@@ -293,12 +448,14 @@ def main() -> None:
     ap.add_argument("--stop-rounds", type=int, default=20)
     ap.add_argument("--join-length", type=int, default=2048)
     ap.add_argument("--prefix-length", type=int, default=4000)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: solo,batch,stop,join,prefix")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of parts to skip: solo,together,batch,stop,profile,join,cached_stop,prefix",
+    )
     ap.add_argument("--trace", action="store_true", help="print what the worker did in the longest join gap")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    # Measured here on any device, the CPU included (off there by default: loading/policy.py).
-    os.environ.setdefault("MLX_NOTEBOOK_BATCH", "1")
     skip = set(filter(None, args.skip.split(",")))
     folder = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp())
     worker, name, vocab, load_s = open_model(args.model, args.synthetic, 0, folder)
@@ -310,7 +467,11 @@ def main() -> None:
         "batch": args.batch,
         "budget": args.budget,
         "command": " ".join(["python -m benchmarks.batching", *sys.argv[1:]]),
+        "blas": mlx_notebook.active_blas(),
+        "MLX_NOTEBOOK_BATCH": os.environ.get("MLX_NOTEBOOK_BATCH", "(unset: the default)"),
+        "batch_decode": batch_decode(),
     }
+    print(json.dumps({k: result[k] for k in ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode")}), flush=True)
     prompts = [prompt_ids(args.prompt_length, vocab, seed=i) for i in range(args.batch)]
     n = args.decode_tokens
     ours_batch(worker, name, prompts, 8, args.budget)  # warm-up: kernels for both paths, every batch size
@@ -330,8 +491,12 @@ def main() -> None:
         }
         print(json.dumps(result["solo"]), flush=True)
         save(result, args.out)
+    solo = solo_rows(worker, name, prompts, n, args.budget) if {"batch", "together"} - skip else []
+    if "together" not in skip:
+        result["together"] = together_vs_sequential(worker, name, prompts, n, args.budget, args.repeats, solo)
+        print(json.dumps(result["together"]), flush=True)
+        save(result, args.out)
     if "batch" not in skip:
-        solo = solo_rows(worker, name, prompts, n, args.budget)
         one_tps = statistics.median(s[0] for s in solo)
         ours_tps, plain_tps, agree, ours_wall, plain_wall = [], [], [], [], []
         for r in range(args.repeats):
@@ -360,14 +525,24 @@ def main() -> None:
         save(result, args.out)
     rng = random.Random(0)
     if "stop" not in skip and args.stop_rounds:
-        lat = stop_one_rounds(worker, name, prompts, args.budget, args.stop_rounds, rng)
+        lat, steps, worker_side, early = stop_one_rounds(worker, name, prompts, args.budget, args.stop_rounds, rng)
+        step = statistics.median(steps)
         result["stop_one_of_batch_ms"] = {
             "p50": 1000 * percentile(lat, 50),
             "p99": 1000 * percentile(lat, 99),
             "max": 1000 * max(lat),
             "rounds": len(lat),
+            "batched_step_ms": 1000 * step,
+            "max_budget_or_step_plus_30_ms": 1000 * (max(args.budget, step) + 0.03),
+            "worker_side_p50": 1000 * percentile(worker_side, 50),
+            "worker_side_p99": 1000 * percentile(worker_side, 99),
+            "reported_before_the_others_next_token": early,
         }
         print(json.dumps(result["stop_one_of_batch_ms"]), flush=True)
+        save(result, args.out)
+    if "profile" not in skip:
+        result["step_profile"] = step_profile(worker, name, prompts, 48, args.budget)
+        print(json.dumps(result["step_profile"]), flush=True)
         save(result, args.out)
     if "join" not in skip:
         result["join"] = join_gap(
@@ -379,6 +554,11 @@ def main() -> None:
             trace=args.trace,
         )
         print(json.dumps(result["join"]), flush=True)
+        save(result, args.out)
+    if "cached_stop" not in skip and args.stop_rounds:
+        ids = prompt_ids(args.join_length, vocab, seed=98)
+        result["cached_stop_ms"] = cached_stop_rounds(worker, name, ids, args.budget, args.stop_rounds, rng)
+        print(json.dumps(result["cached_stop_ms"]), flush=True)
         save(result, args.out)
     if "prefix" not in skip:
         result["prefix_reuse"] = prefix_reuse(worker, name, vocab, args.prefix_length, args.budget, 16)

@@ -213,10 +213,22 @@ def test_stopped_prefill_frees_its_cache_without_a_garbage_collection(tiny_model
         worker.shutdown()
 
 
-def test_the_cpu_does_not_batch_by_default(tiny_model, monkeypatch):
-    """A CPU step costs about B times one: batching gains nothing there and stretches stops."""
-    monkeypatch.setenv("MLX_NOTEBOOK_BATCH", "auto")
-    worker = mlx_notebook.Worker()
+def test_the_default_batches_on_the_cpu_too(tiny_model, monkeypatch):
+    """Batched decode is on by default on every device (loading/policy.batch_decode: measured)."""
+    monkeypatch.delenv("MLX_NOTEBOOK_BATCH", raising=False)
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        gens = submit_all(worker, tiny_model, max_tokens=8)
+        for gen in gens:
+            gen.result(timeout=120)
+        assert max(g.stats.batch_size for g in gens) > 1
+    finally:
+        worker.shutdown()
+
+
+def test_batch_off_by_override(tiny_model, monkeypatch):
+    monkeypatch.setenv("MLX_NOTEBOOK_BATCH", "0")
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
     try:
         gens = submit_all(worker, tiny_model, max_tokens=8)
         for gen in gens:
@@ -224,3 +236,132 @@ def test_the_cpu_does_not_batch_by_default(tiny_model, monkeypatch):
         assert [g.stats.batch_size for g in gens] == [1, 1, 1, 1]
     finally:
         worker.shutdown()
+
+
+class _Rows:
+    """Rows of a DecodeBatch driven by hand on this thread (it owns the stream): events in order."""
+
+    def __init__(self, model_path: str, prompts: list[str]) -> None:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlx_notebook.control import Pace
+        from mlx_notebook.generation.decode_batch import DecodeBatch, Row
+        from mlx_notebook.generation.handle import Generation, Reporter
+        from mlx_notebook.generation.prefill import prefill
+        from mlx_notebook.generation.prompt import prepare_prompt
+        from mlx_notebook.generation.request import GenerationRequest
+        from mlx_notebook.loading.store import ModelStore
+
+        self.stream = mx.new_stream(mx.default_device())
+        self.events: list[tuple[str, int]] = []
+        self.left: list[tuple[int, object]] = []
+        self.kept: list[tuple[list[int], object]] = []
+        with mx.stream(self.stream):
+            loaded = ModelStore().get(model_path)
+            self.batch = DecodeBatch(
+                loaded,
+                self.stream,
+                self._left,
+                keep=lambda tokens, cache: self.kept.append((tokens, cache)),
+            )
+            self.gens = []
+            for text in prompts:
+                request = GenerationRequest(text, model=model_path, max_tokens=24)
+                gen = Generation(request, on_cancel=lambda g: None)
+                gen.add_listener(
+                    lambda e: self.events.append((e.kind if e.kind != "state" else str(e.state), e.generation.id))
+                )
+                sink = Reporter(gen)
+                pace = Pace(gen.token, 0.1)
+                prompt = prepare_prompt(loaded, request)
+                cache = make_prompt_cache(loaded.model)
+                prefill(loaded, cache, prompt, pace=pace, sink=sink)
+                self.batch.add(
+                    Row(sink, pace, request, prompt, cache, prompt[-1], time.perf_counter(), time.perf_counter())
+                )
+                self.gens.append(gen)
+
+    def _left(self, row, cache, error) -> None:
+        """What the session does with a row that left: report it (here, without a prompt cache)."""
+        from mlx_notebook.generation.states import State
+        from mlx_notebook.generation.stats import FinishReason
+
+        self.left.append((row.sink.generation.id, cache))
+        row.sink.finish(State.STOPPED if row.finish is FinishReason.STOPPED else State.DONE)
+
+    def step(self) -> None:
+        import mlx.core as mx
+
+        with mx.stream(self.stream):
+            self.batch.step()
+
+
+def test_a_stop_is_reported_before_the_step_in_flight_ends(tiny_model, solo):
+    """The stopped row leaves at once: reported before the others get the token of the step it was in."""
+    rows = _Rows(tiny_model, PROMPTS[:3])
+    try:
+        for _ in range(4):
+            rows.step()  # after each, the next step is built and queued: one is in flight now
+        victim = rows.gens[1]
+        held = len(victim.tokens)
+        victim.token.cancel()
+        rows.events.clear()
+        rows.step()
+        assert victim.state == "stopped" and len(victim.tokens) == held
+        # Reported (no cache handed over yet) before any other row's token of that step.
+        others = [e for e in rows.events if e[1] != victim.id or e[0] == "stopped"]
+        assert others[0] == ("stopped", victim.id), rows.events
+        assert rows.left == [(victim.id, None)]
+        # Its cache is cut out when that step ends: its prompt and read tokens, for prefix reuse.
+        ((tokens, cache),) = rows.kept
+        assert tokens[len(tokens) - held :] == victim.tokens and cache[0].offset >= len(tokens)
+        while not all(g.finished for g in rows.gens):
+            rows.step()
+        assert victim.tokens == solo[PROMPTS[1], None][:held]
+        for prompt, gen in zip(PROMPTS, rows.gens):
+            if gen is not victim:
+                assert gen.state == "done" and gen.tokens == solo[prompt, None], prompt
+    finally:
+        rows.batch.close()
+
+
+def test_a_stop_of_every_row_waits_for_the_step(tiny_model):
+    """No row is reported early when none goes on: the last one is reported after the synchronize."""
+    rows = _Rows(tiny_model, PROMPTS[:2])
+    try:
+        for _ in range(3):
+            rows.step()
+        for gen in rows.gens:
+            gen.token.cancel()
+        rows.events.clear()
+        rows.step()
+        assert all(g.state == "stopped" for g in rows.gens)
+        assert rows.kept == [] and all(cache is not None for _, cache in rows.left)
+    finally:
+        rows.batch.close()
+
+
+def test_a_prefix_hit_is_restored_in_pieces_with_checkpoints(tiny_model):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_notebook.control import CancelToken, Pace
+    from mlx_notebook.generation.prefix_cache import KV_STEP, PromptCache, restore
+    from mlx_notebook.loading.store import ModelStore
+
+    loaded = ModelStore().get(tiny_model)
+    prompt = list(range(20, 320))
+    cache = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array(prompt)[None], cache=cache))
+    store = PromptCache(1 << 30)
+    store.store(prompt, cache)
+    view, n = store.fetch(prompt + [5, 6])
+    assert n == len(prompt)
+    checkpoints = []
+    restore(view, 2 + KV_STEP, Pace(CancelToken(), 0.1, between=lambda: checkpoints.append(1)), piece_s=0.0)
+    assert len(checkpoints) == len(view) - 1  # one layer per piece at a zero piece time
+    for old, new in zip(cache, view):
+        assert new.offset == n and new.keys.shape[2] >= n + 2 + KV_STEP
+        assert mx.array_equal(new.keys[..., :n, :], old.keys[..., :n, :]).item()
+        assert mx.array_equal(new.values[..., :n, :], old.values[..., :n, :]).item()

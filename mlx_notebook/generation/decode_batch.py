@@ -21,8 +21,10 @@ the tightest budget in the batch. Otherwise the next step is queued as soon
 as the tokens are read, unless a row has a stop or pause waiting or a
 sequence waits to join: then rows change first.
 
-Rows leave without synchronizing the stream while others keep decoding (the
-batch's work goes on anyway); when the last row leaves, the stream is
+A stop of one row while others go on is reported at once, without waiting
+for the step in flight (:meth:`DecodeBatch._wait`; :meth:`DecodeBatch._detach`
+says why that is honest); the token that step makes for it is dropped and its
+cache is cut out at the step's end. When the last row leaves, the stream is
 synchronized before it is reported, so nothing is left in flight.
 
 This module never imports IPython or ipywidgets.
@@ -31,6 +33,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +57,9 @@ from .stats import FinishReason
 DECODE_BUDGET_SHARE = 0.8
 # Weight of the newest decode step in the running step-time average.
 STEP_EMA = 0.2
+# With rows that could leave early, the worker sleeps (awake to requests) for
+# this share of a step before it blocks on reading the step's tokens.
+WAKE_SHARE = 0.85
 
 
 @dataclass
@@ -92,6 +98,9 @@ class Row:
     finish: FinishReason | None = None
     # Text held back because it may be the start of a stop string.
     held: str = ""
+    # Reported stopped while a step with it in was in flight: its share of that
+    # step is dropped, its rows are cut from the batch's cache when the step ends.
+    detached: bool = False
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
@@ -142,7 +151,12 @@ class DecodeBatch:
         stream: The worker's stream (synchronized when the last row leaves).
         on_leave: Called with each row that left for good (done, stopped),
           after its final state is known and before it is reported: the
-          worker keeps its cache and reports it.
+          worker keeps its cache and reports it. A row stopped while a step
+          with it in is in flight leaves with no cache (``None``).
+        keep: Called with the tokens and cache of a row that was reported
+          stopped before its last step ended, once that step ended: the
+          worker keeps the cache for prefix reuse. Default: ``None``
+          (dropped).
     """
 
     def __init__(
@@ -150,11 +164,15 @@ class DecodeBatch:
         loaded: LoadedModel,
         stream: mx.Stream,
         on_leave: Callable[[Row, Cache | None, BaseException | None], None],
+        keep: Callable[[list[int], Cache], None] | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.stream = stream
         self.on_leave = on_leave
+        self.keep = keep
+        # Signalled by every row's requests (a token watcher): see _wait.
+        self._requests = threading.Condition()
         self.rows: list[Row] = []
         self.ready: list[Row] = []  # prefilled or resumed, joining at the next step
         self.parked: list[Row] = []  # paused outside the batch
@@ -188,7 +206,18 @@ class DecodeBatch:
         # The reasoning channel starts open when the prompt opened it; a thinking budget reads the row's tokens.
         row.sink.set_prompt(row.prompt)
         row.sample.follow(tokenizer, row.prompt, row.tokens)
+        # A stop wakes the worker while it waits for a step (see _wait).
+        row.pace.token.watchers.append(self._poke)
         self.ready.append(row)
+
+    def close(self) -> None:
+        """Forget the rows' requests (the session ends)."""
+        for row in self.all_rows():
+            self._unwatch(row)
+
+    def _poke(self) -> None:
+        with self._requests:
+            self._requests.notify_all()
 
     def poll_parked(self) -> None:
         """Re-join resumed rows; end the parked rows that were stopped."""
@@ -235,12 +264,17 @@ class DecodeBatch:
             if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
                 mx.async_eval(nxt.arrays())
                 queued = True
+        self._wait(y)
         tokens = cast(list[int], y.tokens.tolist())
         now = time.perf_counter()
         if self._last_read and self.steps:
             self._measure(now - self._last_read)
         self._last_read = self.last_step_at = now
         self.steps += 1
+        # Stops that came while the worker built or read this step: reported
+        # before the next step is queued (on CUDA queueing a step of an 8B model
+        # held the worker ~10 ms on an H200 host).
+        self._detach_stopped()
         if nxt is not None and not queued:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
@@ -250,8 +284,73 @@ class DecodeBatch:
                 # reporting, so the device idles only while it is encoded.
                 mx.async_eval(nxt.arrays())
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
-            self._report(row, tok, more, now, y.logprobs[i])
+            if not row.detached:  # a detached row's token of this step is dropped
+                self._report(row, tok, more, now, y.logprobs[i])
         self._change_rows(tokens, nxt)
+
+    def _wait(self, y: _Step) -> None:
+        """Before reading step ``y``: report at once the stops of rows that others outlive.
+
+        MLX cannot say whether an array is computed without blocking, and a
+        worker blocked in a read cannot act on a request (evaluating the
+        step on a helper thread instead slowed steps on CUDA from 9 to 15 ms
+        at 8 rows). So the worker sleeps, awake to the rows' requests, until
+        ``WAKE_SHARE`` of a step has passed since the last read, and only
+        then blocks on the read: a stop that lands in the first part is
+        reported at once, one in the rest waits for the rest of the step.
+        When the step ends sooner the device idles until the wake, and the
+        measured step time shrinks toward the device's. With one row there is
+        no sleep: a stop of the only row must wait for its step and the
+        synchronize anyway (invariant 2).
+        """
+        if len(self.rows) < 2:
+            return
+        until = self._last_read + WAKE_SHARE * self.step_s if self.step_s is not None else 0.0
+        with self._requests:
+            while True:
+                self._detach_stopped()
+                left = until - time.perf_counter()
+                if left <= 0:
+                    return
+                self._requests.wait(left)
+
+    def _detach_stopped(self) -> None:
+        for row in self.rows:
+            if self._detachable(row):
+                self._detach(row)
+
+    def _detachable(self, row: Row) -> bool:
+        """A stopped row that may be reported now: another row goes on (is not stopped)."""
+        if row.detached or not row.pace.token.cancelled:
+            return False
+        return any(not r.detached and not r.pace.token.cancelled for r in self.rows)
+
+    def _detach(self, row: Row) -> None:
+        """Report ``row`` stopped now, while the step in flight still computes its share.
+
+        Why this is "nothing in flight" (invariant 2) for this generation: the
+        step is one computation for every row; it cannot be cut, and it runs
+        for the rows that go on whether or not this one is in it. What it
+        computes for this row (one token, one position of keys and values) is
+        dropped or cut out when it ends: nothing in flight can change what
+        this generation reports (its tokens and text are final from here) or
+        hand it anything later. The device is busy, but with work that belongs
+        to generations still running, and the stream is synchronized before
+        the last of them is reported. So a row is detached only while another
+        row goes on: a stop of every row, or of the last, waits for the step
+        and the synchronize as before. The row stays in the batch's cache
+        until the step ends; then its rows are cut out (and its prefix kept,
+        ``keep``), like any row that leaves.
+        """
+        row.detached = True
+        self._unwatch(row)
+        self._finish(row, FinishReason.STOPPED)
+        self.on_leave(row, None, None)
+
+    def _unwatch(self, row: Row) -> None:
+        watchers = row.pace.token.watchers
+        if self._poke in watchers:
+            watchers.remove(self._poke)
 
     def _report(
         self,
@@ -342,6 +441,14 @@ class DecodeBatch:
     def _take_out(self, row: Row, index: int, nxt: _Step | None, tok: int) -> None:
         """Row ``index`` leaves: parked (pause) or ended (done, stop)."""
         single = self._cache if len(self.rows) == 1 else batch_cache.extract(self._cache, self._pads, index)
+        if row.detached:
+            # Reported already; its cache holds its prompt and read tokens (and
+            # the dropped steps' positions, which ``keep`` trims off).
+            if single is not self._cache:
+                mx.async_eval(batch_cache.state_arrays(single))
+            if self.keep is not None:
+                self.keep(row.fed_tokens(), single)
+            return
         token = row.pace.token
         if row.finish is None and token.pause_requested and not token.cancelled:
             if nxt is not None:
@@ -371,6 +478,12 @@ class DecodeBatch:
         if cache is not None and cache is not self._cache:
             # A copy out of the batch's arrays: evaluate it so that it holds none of them.
             mx.async_eval(batch_cache.state_arrays(cache))
+        self._unwatch(row)
+        self._finish(row, finish)
+        self.on_leave(row, cache, None)
+
+    def _finish(self, row: Row, finish: FinishReason) -> None:
+        """The row's last text (detokenizer tail, held-back text) and final stats."""
         row.finish = finish
         if finish is not FinishReason.STOP_STRING:
             row.detokenizer.finalize()
@@ -384,7 +497,6 @@ class DecodeBatch:
         stats = row.sink.stats
         stats.finish_reason = finish
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        self.on_leave(row, cache, None)
 
     def _keep(self, keep: list[int]) -> None:
         rows = [self.rows[i] for i in keep]

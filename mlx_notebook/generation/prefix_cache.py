@@ -12,15 +12,25 @@ entry. Entries are evicted least recently used first to stay under
 ``limit_bytes``; an entry whose tokens are a prefix of a newer entry's is
 dropped when that one is stored (the newer one serves both).
 
+The first write to a view copies it (``KVCache`` grows its buffer by
+concatenation): for an 8k-token prompt of an 8B model that is ~1.2 GB in one
+piece, inside the first prefill chunk or decode step. :func:`restore` makes
+that copy in budget-sized pieces of layers, with a checkpoint between them,
+into buffers with room for the rest of the prompt and the first tokens.
+
 This module never imports IPython or ipywidgets.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import mlx.core as mx
+
+from ..control import Pace
 from .batch_cache import Cache, batchable, length
 
 GB = 1e9
@@ -136,6 +146,56 @@ def _view(cache: Cache, n: int) -> Cache:
     return out
 
 
+# KVCache grows its buffers in steps of this many tokens (mlx-lm's ``KVCache.step``).
+KV_STEP = 256
+
+
+def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
+    """Copy a hit's view (:meth:`PromptCache.fetch`) into buffers of its own, in place, piece by piece.
+
+    Each layer's keys and values become a new buffer holding the cached
+    positions and room for ``room`` more tokens (rounded up to ``KV_STEP``),
+    so the prefill and the first steps write into it without copying it
+    again. Layers are copied in groups, from one layer up: a group that took
+    under half of ``piece_s`` doubles, one over ``piece_s`` halves (each
+    group ends in an evaluation, whose fixed cost would inflate a time per
+    layer; doubling keeps the groups few where a copy is cheap, ~5 for 32
+    layers). ``pace.checkpoint()`` runs between groups.
+
+    Raises:
+        Cancelled: A stop was requested at a checkpoint (the layers copied so
+          far hold the same tokens as the others: the cache stays usable).
+    """
+    layers = [layer for layer in view if layer.keys is not None]
+    if not layers:
+        return
+    n = int(layers[0].offset)
+    size = (n + room + KV_STEP - 1) // KV_STEP * KV_STEP
+    group = 1
+    i = 0
+    while i < len(layers):
+        t0 = time.perf_counter()
+        chunk = layers[i : i + group]
+        for layer in chunk:
+            layer.keys, layer.values = (_with_room(a, n, size) for a in (layer.keys, layer.values))
+        mx.eval([a for layer in chunk for a in (layer.keys, layer.values)])
+        took = time.perf_counter() - t0
+        i += len(chunk)
+        if took < piece_s / 2:
+            group = 2 * len(chunk)
+        elif took > piece_s:
+            group = max(1, len(chunk) // 2)
+        if i < len(layers):
+            pace.checkpoint()
+
+
+def _with_room(a: mx.array, n: int, size: int) -> mx.array:
+    """The first ``n`` positions of ``a`` (axis 2) in a new buffer of ``size`` positions."""
+    shape = list(a.shape)
+    shape[2] = size - n
+    return mx.concatenate([a[..., :n, :], mx.zeros(shape, a.dtype)], axis=2)
+
+
 def trimmed(cache: Cache, n: int) -> Cache:
     """``cache`` cut to its first ``n`` tokens without copying (for storing)."""
     if length(cache) == n:
@@ -143,4 +203,4 @@ def trimmed(cache: Cache, n: int) -> Cache:
     return _view(cache, n)
 
 
-__all__ = ["DEFAULT_PROMPT_CACHE_GB", "PromptCache", "trimmed"]
+__all__ = ["DEFAULT_PROMPT_CACHE_GB", "KV_STEP", "PromptCache", "restore", "trimmed"]

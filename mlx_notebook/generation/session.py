@@ -31,10 +31,11 @@ from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
+from .budget import PREFILL_SHARE
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
 from .prefill import prefill
-from .prefix_cache import PromptCache, trimmed
+from .prefix_cache import KV_STEP, PromptCache, restore, trimmed
 from .prompt import prepare_prompt
 from .states import State
 from .stats import FinishReason
@@ -130,6 +131,8 @@ class Session:
         finally:
             # The batch refers back to the session (its on_leave): break the
             # cycle so that what it holds goes now, not at the next collection.
+            if self.batch is not None:
+                self.batch.close()
             self.batch = None
 
     def _fits(self, job: Reporter) -> bool:
@@ -199,7 +202,10 @@ class Session:
                 gen.stats.prompt_tokens = len(prompt)
                 pace.checkpoint()
                 cache, cached = self._prompt_cache(loaded).fetch(prompt)
-                if cache is None:
+                if cache is not None:
+                    # Room for the rest of the prompt and the first steps: no copy in them.
+                    restore(cache, len(prompt) - cached + KV_STEP, pace, piece_s=pace.budget_s * PREFILL_SHARE)
+                else:
                     from mlx_lm.models.cache import make_prompt_cache
 
                     cache = make_prompt_cache(loaded.model)
@@ -225,8 +231,8 @@ class Session:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.loaded = loaded
-        self.batchable = batch_decode() and batch_cache.batchable(make_prompt_cache(loaded.model))
-        self.batch = DecodeBatch(loaded, self.stream, self._row_left)
+        self.batchable = batch_decode(loaded.model) and batch_cache.batchable(make_prompt_cache(loaded.model))
+        self.batch = DecodeBatch(loaded, self.stream, self._row_left, keep=self._keep_prefix)
         stack.enter_context(wired_limit(loaded.model, self.stream))
 
     def _prompt_cache(self, loaded: LoadedModel) -> PromptCache:

@@ -61,22 +61,35 @@ def read_in_blocks(config: dict) -> bool:
     return choice == "on" or mx.default_device().type == mx.gpu
 
 
-def batch_decode() -> bool:
+def batch_decode(model: nn.Module | None = None) -> bool:
     """Whether generations of one model decode together in one batched step.
 
-    A GPU decode step is bound by reading the weights: 8 rows cost about what
-    one does (H200, 8B model: 5.0-5.2x one row's aggregate rate). A CPU step
-    is bound by compute: B rows cost about B times one, so batching gains
-    nothing (2-core x86, SmolLM2 fp32, 4 rows: 1.07x; mlx-lm's
-    BatchGenerator 1.08x) and every stop waits for a step B times longer (a
-    stop of one row of 4: p50 511 ms at a 0.1 s budget). So generations run
-    one after the other on the CPU. ``MLX_NOTEBOOK_BATCH`` is ``auto``
-    (default: not on the CPU), ``1`` (always) or ``0`` (never).
+    On by default wherever it pays, decided by measuring one batched step
+    against one row's (``benchmarks/batch_step.py``). A GPU step is bound by
+    reading the weights: 8 rows cost about what one does (H200, 8B model:
+    5.0-5.2x one row's aggregate rate). On the CPU with float32 weights and
+    OpenBLAS (the default model's fast path) a step is not "B times one"
+    either: 2-core x86, SmolLM2-135M, B=1 / 4 / 8 = CPU_FP32_STEP_MS; four
+    generations of 48 tokens together take CPU_TOGETHER_SPEEDUP less wall
+    time than one after another (``benchmarks/batching.py``). An earlier
+    measurement said 1.07x: that benchmark imported ``mlx`` before
+    ``mlx_notebook``, so OpenBLAS was never loaded and the model stayed Q4_1,
+    and MLX's quantized CPU matmul (no BLAS) costs B times one row for B
+    rows: CPU_QUANTIZED_STEP_MS. So a model whose matmuls stay quantized on
+    the CPU decodes alone (batching would only make every stop wait for a
+    longer step). ``MLX_NOTEBOOK_BATCH`` is ``auto`` (default: on, except
+    quantized matmuls on the CPU), ``1`` (always) or ``0`` (never).
+
+    Args:
+        model: The loaded model (after the CPU fast path). Default: ``None``
+          (the device alone decides).
     """
     choice = env_switch("MLX_NOTEBOOK_BATCH")
     if choice != "auto":
         return choice == "on"
-    return mx.default_device().type != mx.cpu
+    if mx.default_device().type != mx.cpu or model is None:
+        return True
+    return not any(hasattr(m, "scales") and hasattr(m, "bits") for _, m in model.named_modules())
 
 
 def env_switch(name: str) -> str:
