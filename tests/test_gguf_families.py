@@ -22,7 +22,7 @@ import pytest
 import mlx_notebook
 from mlx_notebook.loading import gguf
 from testkit import gguf_writer as gw
-from testkit.kernel_helpers import KernelSession
+from testkit.kernel_helpers import start_kernel
 
 FAMILIES = ["qwen2", "qwen3", "mistral"]
 IDS = [5, 300, 7000, 120000, 42, 9]
@@ -109,14 +109,10 @@ def test_family_generates(families: dict, family: str, worker: mlx_notebook.Work
 
 @pytest.mark.kernel
 def test_mlxgen_magic_runs_family_ggufs_in_a_kernel(families: dict) -> None:
-    session = KernelSession()
-    try:
-        assert session.execute("%load_ext mlx_notebook").ok
+    with start_kernel() as session:
         for family in ("qwen3", "mistral"):
             path = families[family][0]
             reply = session.execute(f"%%mlxgen -m {path} -n 5 --wait -o out_{family}\nName three rivers.", timeout=600)
             assert reply.ok, reply.content
             assert session.eval(f"out_{family}.state") == "done", session.eval(f"str(out_{family}.error)")
             assert len(session.eval(f"out_{family}.tokens")) >= 1
-    finally:
-        session.close()

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import html
 import re
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import has_default_model
 
 from testkit.kernel_helpers import (
     KernelSession,
     greedy_tokens,
     one_line_usage_error,
+    run_meanwhile,
+    start_kernel,
     status,
     view,
     wait_decoding,
@@ -36,25 +39,15 @@ FINAL = ("stopped", "done", "failed")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def model_name(tiny_model: str) -> str:
-    return "default" if has_default_model() else tiny_model
-
-
 def _session(model_name: str) -> KernelSession:
-    session = KernelSession()
     # The plain-text widget: these tests read its <pre> (Markdown: tests/test_markdown.py).
-    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model_name!r}", "%config MLXGen.format = 'text'"):
-        reply = session.execute(code)
-        assert reply.ok, reply.content
-    return session
+    return start_kernel(model_name, text=True)
 
 
 @pytest.fixture(scope="module")
 def kernel(model_name: str):
-    session = _session(model_name)
-    yield session
-    session.close()
+    with _session(model_name) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +88,9 @@ def _display_ids(kernel: KernelSession, cell: str) -> list[str]:
 def test_background_cell_returns_at_once_and_streams(kernel: KernelSession, reference: list[int]) -> None:
     reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} -o g\n{PROMPT}")
     assert reply.ok, reply.content
-    assert reply.seconds < 3.0, f"a background cell took {reply.seconds:.1f} s"
+    # "At once" is shown below by the order of events (the next cell runs before the
+    # generation ends); the seconds are a figure (benchmarks/wall_clock.py holds the limit).
+    print(f"background cell returned in {reply.seconds:.2f} s")
     shown = [m for m in reply.outputs if m["msg_type"] == "display_data"]
     assert len(shown) == 1
     assert "application/vnd.jupyter.widget-view+json" in shown[0]["content"]["data"]
@@ -172,7 +167,9 @@ def test_interrupt_while_idle_stops_background(kernel: KernelSession) -> None:
     assert view(kernel, reply.msg_id)["progress"]["bar_style"] == "warning"
 
 
-def test_pause_and_resume_buttons_give_uninterrupted_tokens(kernel: KernelSession, reference: list[int]) -> None:
+def test_pause_and_resume_buttons_give_uninterrupted_tokens(
+    kernel: KernelSession, reference: list[int], model_name: str
+) -> None:
     reply = kernel.execute(f"%%mlxgen -n {REF_TOKENS} -o pz\n{PROMPT}")
     shown = view(kernel, reply.msg_id)
     pause_id, pause = shown["pause"]
@@ -189,7 +186,7 @@ def test_pause_and_resume_buttons_give_uninterrupted_tokens(kernel: KernelSessio
         "Resume button",
     )
     before = kernel.eval("(pz.state, pz.stats.generated_tokens)")
-    time.sleep(1.0)
+    run_meanwhile(kernel, model_name)  # another generation runs to its end; this one does not move
     assert kernel.eval("(pz.state, pz.stats.generated_tokens)") == before
     assert before[0] == "paused" and 0 < before[1] < REF_TOKENS
     assert view(kernel, reply.msg_id)["stop"][1]["disabled"] is False  # Stop applies while paused
@@ -198,6 +195,33 @@ def test_pause_and_resume_buttons_give_uninterrupted_tokens(kernel: KernelSessio
     assert wait_state(kernel, reply.msg_id, FINAL) == "done"
     assert kernel.eval("pz.tokens") == reference
     assert view(kernel, reply.msg_id)["pause"][1]["disabled"] is True
+
+
+def test_pause_during_a_wait_cell_through_a_subshell(
+    kernel: KernelSession, reference: list[int], model_name: str
+) -> None:
+    """JupyterLab >= 4.4 sends widget comm messages to a kernel subshell: Pause and
+    Resume work while a ``--wait`` cell blocks the main shell."""
+    subshell = kernel.create_subshell()
+    cell = kernel.start(f"%%mlxgen -n {REF_TOKENS} --wait -o pw\n{PROMPT}")
+    wait_decoding(kernel, cell)
+    pause_id = view(kernel, cell)["pause"][0]
+    kernel.click(pause_id, subshell)
+    kernel.wait_until(
+        lambda: view(kernel, cell)["pause"][1]["description"] == "Resume" and status(kernel, cell)[0] == "paused",
+        30,
+        "paused while the cell blocks",
+    )
+    held = status(kernel, cell)
+    assert 0 < held[1] < REF_TOKENS, held
+    # Another generation runs to its end (on the subshell: the main shell is in the cell); this one holds.
+    run_meanwhile(kernel, model_name, subshell=subshell)
+    assert status(kernel, cell) == held
+    assert not kernel.idle(cell), "the --wait cell ended while its generation was paused"
+    kernel.click(pause_id, subshell)  # now labelled Resume
+    reply = kernel.reply_to(cell, timeout=300)
+    assert reply.ok, reply.content
+    assert kernel.eval("(pw.state, pw.tokens)") == ("done", reference)
 
 
 def test_stop_button_stops(kernel: KernelSession) -> None:
@@ -338,11 +362,11 @@ def test_unload_restores_every_hook_and_load_is_idempotent(kernel: KernelSession
     assert kernel.eval("atexit._ncallbacks()") == before + 1
 
 
+@pytest.mark.kernel
 def test_loaded_at_kernel_start_with_command_line_config(model_name: str) -> None:
-    session = KernelSession(
-        extra_arguments=["--ext=mlx_notebook", f"--MLXGen.model={model_name}", "--MLXGen.max_tokens=300"]
-    )
-    try:
+    with start_kernel(
+        load=False, extra_arguments=["--ext=mlx_notebook", f"--MLXGen.model={model_name}", "--MLXGen.max_tokens=300"]
+    ) as session:
         # Loaded before any request: our handler was installed directly (idle state).
         assert session.eval("get_ipython().magics_manager.registry['MLXGen'].hooks._idle_via") == "signal"
         reply = session.execute(f"%%mlxgen -o g\n{PROMPT}")
@@ -351,8 +375,25 @@ def test_loaded_at_kernel_start_with_command_line_config(model_name: str) -> Non
         session.km.interrupt_kernel()
         assert wait_state(session, reply.msg_id, FINAL, timeout=30) == "stopped"
         assert session.eval("(g.wait(10), g.state, g.request.max_tokens)") == (True, "stopped", 300)
-    finally:
-        session.close()
+
+
+@pytest.mark.kernel
+def test_a_hub_id_from_the_local_cache_runs_like_its_folder(tiny_model: str, tmp_path: Path) -> None:
+    """A Hugging Face id resolves to its snapshot in the local cache (nothing downloaded)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--someorg--tiny-llama"
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    cache = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    with start_kernel(env=cache) as session:
+        hub = session.execute(f"%%mlxgen -m someorg/tiny-llama -n 8 --wait -o hub\n{PROMPT}", timeout=300)
+        assert hub.ok, hub.content
+        folder = session.execute(f"%%mlxgen -m {tiny_model} -n 8 --wait -o folder\n{PROMPT}", timeout=300)
+        assert folder.ok, folder.content
+        assert session.eval("(hub.state, hub.tokens == folder.tokens, len(hub.tokens) > 0)") == ("done", True, True)
+        missing = session.execute(f"%%mlxgen -m someorg/not-cached -n 2 --wait\n{PROMPT}")
+        assert "not in the local Hugging Face cache" in one_line_usage_error(missing)
 
 
 def _start_long_generation(session: KernelSession) -> None:
@@ -361,6 +402,7 @@ def _start_long_generation(session: KernelSession) -> None:
     wait_decoding(session, reply.msg_id)
 
 
+@pytest.mark.kernel
 def test_restart_and_shutdown_mid_generation_exit_cleanly(model_name: str) -> None:
     session = _session(model_name)
     try:
@@ -376,12 +418,14 @@ def test_restart_and_shutdown_mid_generation_exit_cleanly(model_name: str) -> No
         start = time.monotonic()
         session.km.shutdown_kernel(now=False)
         assert session.process.wait(timeout=10) == 0, "shutdown: the kernel did not exit cleanly"
-        # jupyter_client sends SIGTERM after 2.5 s and SIGKILL after 5 s.
-        assert time.monotonic() - start < 2.5
+        # jupyter_client sends SIGTERM after 2.5 s and SIGKILL after 5 s: it had to do neither.
+        assert session.km._shutdown_status.name == "ShutdownRequest", session.km._shutdown_status
+        print(f"shutdown mid-generation: {time.monotonic() - start:.2f} s")
     finally:
         session.close()
 
 
+@pytest.mark.kernel
 def test_quickstart_notebook_runs_headless(model_name: str) -> None:
     from scripts import run_quickstart
 

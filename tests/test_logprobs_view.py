@@ -30,7 +30,7 @@ from mlx_notebook.notebook.logprobs_view import (
     token_label,
     tokenizer_decode,
 )
-from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, view
+from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, start_kernel, view
 
 PROMPT = "Once upon a time the quick brown fox"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -202,11 +202,8 @@ def test_without_a_tokenizer_ids_are_shown(generated) -> None:
 
 @pytest.fixture(scope="module")
 def kernel(tiny_model: str):
-    session = KernelSession()
-    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {tiny_model!r}"):
-        assert session.execute(code).ok
-    yield session
-    session.close()
+    with start_kernel(tiny_model) as session:
+        yield session
 
 
 def kernel_expected(kernel: KernelSession, name: str) -> list[dict[str, Any]]:

@@ -115,6 +115,20 @@ def test_cell_magic_generates_and_binds_out(ip: Any, magics: MLXGen, capsys: Any
     assert gen.text in out and f"[mlxgen #{gen.id} done" in out  # terminal view printed it
 
 
+def test_top_p_flag_samples_as_the_api_does(
+    ip: Any, magics: MLXGen, worker: mlx_notebook.Worker, tiny_model: str
+) -> None:
+    result = ip.run_cell(f"%%mlxgen -n 16 --wait -o nucleus -t 0.9 --seed 5 --top-p 0.5\n{PROMPT}")
+    assert result.success
+    gen = ip.user_ns["nucleus"]
+    assert gen.state == "done" and gen.request.top_p == 0.5
+    same = generate(worker, tiny_model, max_tokens=16, temperature=0.9, seed=5, top_p=0.5)
+    wide = generate(worker, tiny_model, max_tokens=16, temperature=0.9, seed=5)
+    same.result(60), wide.result(60)
+    assert gen.tokens == same.tokens
+    assert gen.tokens != wide.tokens, "top-p 0.5 changed nothing: the test would pass without the flag"
+
+
 def test_options_are_split_as_a_shell_does(ip: Any, magics: MLXGen) -> None:
     ip.run_cell(f"%%mlxgen -n 2 --wait -o quoted -s 'Be terse, please' --stop \"a b\" --stop ''\n{PROMPT}")
     # The empty stop string is refused: nothing ran.

@@ -17,7 +17,7 @@ import pytest
 from conftest import has_default_model
 
 from mlx_notebook.notebook.markdown_blocks import MarkdownBlocks, close_fence
-from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, view
+from testkit.kernel_helpers import KernelSession, displays, one_line_usage_error, start_kernel, view
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 CODE_PROMPT = "Write a Python function that adds two numbers. Reply with one code block."
@@ -76,17 +76,9 @@ def test_an_answer_stopped_inside_a_code_block_is_closed() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_name(tiny_model: str) -> str:
-    return "default" if has_default_model() else tiny_model
-
-
-@pytest.fixture(scope="module")
 def kernel(model_name: str):
-    session = KernelSession()
-    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model_name!r}"):
-        assert session.execute(code).ok
-    yield session
-    session.close()
+    with start_kernel(model_name) as session:
+        yield session
 
 
 def test_markdown_streams_into_output_widgets_and_ends_as_one_markdown_output(kernel: KernelSession) -> None:
@@ -141,6 +133,7 @@ def test_bad_format_is_one_line(kernel: KernelSession) -> None:
     assert kernel.execute("print(1)").ok
 
 
+@pytest.mark.kernel
 def test_saved_notebook_holds_markdown_that_nbconvert_renders(model_name: str, tmp_path: Path) -> None:
     from nbconvert import HTMLExporter
 

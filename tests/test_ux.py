@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import has_default_model
 
 from mlx_notebook.loading.store import ModelStore
-from testkit.kernel_helpers import KernelSession, kernel_env, view, wait_decoding, wait_state
+from testkit.kernel_helpers import KernelSession, kernel_env, start_kernel, view, wait_decoding, wait_state
 
 PROMPT = "Name three rivers."
 LONG_TOKENS = 400
@@ -29,23 +28,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def model_name(tiny_model: str) -> str:
-    return "default" if has_default_model() else tiny_model
-
-
-def _session(model_name: str, *first: str, **kwargs: Any) -> KernelSession:
-    session = KernelSession(**kwargs)
-    for code in (*first, "%load_ext mlx_notebook", f"%config MLXGen.model = {model_name!r}"):
-        reply = session.execute(code, timeout=180)
-        assert reply.ok, reply.content
-    return session
-
-
-@pytest.fixture(scope="module")
 def kernel(model_name: str):
-    session = _session(model_name)
-    yield session
-    session.close()
+    with start_kernel(model_name) as session:
+        yield session
 
 
 def _final_display(kernel: KernelSession, cell: str) -> dict[str, Any]:
@@ -60,9 +45,10 @@ def _final_display(kernel: KernelSession, cell: str) -> dict[str, Any]:
     return updates[-1] if updates else {"data": {}}
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("format", ["markdown", "text"])
 def test_restart_leaves_the_last_state_and_the_text(model_name: str, format: str) -> None:
-    session = _session(model_name)
+    session = start_kernel(model_name)
     try:
         reply = session.execute(f"%%mlxgen -n {LONG_TOKENS} --format {format} -o g\n{PROMPT}")
         assert reply.ok, reply.content
@@ -141,10 +127,10 @@ linux_cpu_openblas = pytest.mark.skipif(
 )
 
 
+@pytest.mark.kernel
 @linux_cpu_openblas
 def test_mlx_imported_first_is_said_once_with_the_fix(model_name: str) -> None:
-    session = KernelSession()
-    try:
+    with start_kernel(load=False) as session:
         assert session.execute("import mlx.core as mx").ok
         if session.eval("mx.default_device() == mx.cpu") is not True:
             pytest.skip("MLX computes on a GPU here")
@@ -158,10 +144,9 @@ def test_mlx_imported_first_is_said_once_with_the_fix(model_name: str) -> None:
         assert "reference BLAS" in view(session, first.msg_id)["notice"]
         second = session.execute("%%mlxgen --wait -n 2\nHi.", timeout=300)
         assert second.ok and "notice" not in view(session, second.msg_id)
-    finally:
-        session.close()
 
 
+@pytest.mark.kernel
 @linux_cpu_openblas
 def test_the_kernelspec_loads_openblas_whatever_the_cells_import(tmp_path: Path) -> None:
     from jupyter_client.kernelspec import KernelSpecManager
