@@ -228,3 +228,18 @@ def test_a_template_that_reads_reasoning_content_gets_it(worker, qwen3, tmp_path
     chat.messages[-1]["reasoning"] = "kept"
     chat.save(path)
     assert mlx_notebook.Chat.load(path, worker=worker).messages == chat.messages
+
+
+def test_the_logprobs_view_dims_reasoning_rows_and_hovers_the_answer(worker, r1):
+    import html as html_lib
+    import re
+
+    from mlx_notebook.notebook.logprobs_view import LogprobsTable
+
+    gen = done(run(worker, r1, thinking_budget=BUDGET, logprobs=2))
+    table = LogprobsTable(gen)
+    assert table.html(final=True).count("mlxgen-reasoning-row") == BUDGET
+    assert table.answer_entries() == gen.logprobs[BUDGET + len(close_ids(gen)) :]
+    hover = table.hover(gen.text)
+    assert 'class="mlxgen-token"' in hover  # spans from the answer's first token on
+    assert html_lib.unescape(re.sub(r"<[^>]+>", "", hover)) == gen.text

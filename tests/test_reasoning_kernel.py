@@ -198,4 +198,4 @@ def test_a_chat_keeps_each_turns_reasoning_and_the_cache_serves_the_next(kernel:
             "c.messages[-1] == dict(role='assistant', content=c.generation.text, reasoning=c.generation.reasoning)"
         )
     assert kernel.eval("(len(c.messages), c.generation.stats.cached_tokens > 0)") == (4, True)
-    assert kernel.eval("c.options['thinking_budget']") == 3
+    assert kernel.eval("c.generation.request.thinking_budget") == 3  # the cell's flag, for its turn

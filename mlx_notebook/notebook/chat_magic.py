@@ -77,10 +77,10 @@ class ChatMagics(Magics):
         """Send the cell body as the next user message of the chat ``NAME``.
 
         The first ``%%mlxchat NAME`` makes a :class:`mlx_notebook.Chat` with the
-        given model, system message and options (the rest from ``MLXGen``'s
-        config: every option it has a trait for) and binds it to ``NAME``;
-        later cells continue it, their option flags (all of ``%%mlxgen``'s but
-        ``-m``, ``-s`` and ``--raw``) applying to that turn only.
+        given model and system message, its options from ``MLXGen``'s config
+        (every option it has a trait for), and binds it to ``NAME``; later
+        cells continue it. A cell's option flags (all of ``%%mlxgen``'s but
+        ``-m``, ``-s`` and ``--raw``) apply to its turn only, the first included.
         Each turn prefills only what is new since the last one (the prompt
         cache). ``{name}`` in the body inserts variables, as in ``%%mlxgen``.
         """
@@ -118,7 +118,7 @@ class ChatMagics(Magics):
         found = self.shell.user_ns.get(args.name)
         if found is None:
             config = self.gen_magics
-            # Every MLXGen request trait, the flags given winning: a chat's defaults are %%mlxgen's.
+            # Every MLXGen request trait: a chat's defaults are %%mlxgen's (a cell's flags are its turn's).
             options = {
                 name: getattr(config, name)
                 for name in config.request_traits()
@@ -130,7 +130,7 @@ class ChatMagics(Magics):
                 keep_stopped=not args.drop_stopped,
                 # A worker given to %%mlxgen's magics (tests) serves the chat too; else the shared one.
                 worker=getattr(config, "_given_worker", None),
-                **{**options, **self._given(args)},
+                **options,
             )
         if not isinstance(found, Chat):
             raise _fail(

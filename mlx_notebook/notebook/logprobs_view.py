@@ -98,8 +98,10 @@ def row_html(index: int, entry: TokenLogprobs, names: Callable[[int], str]) -> s
         )
         for tid, lp in entry.top
     )
+    # A reasoning model's thinking tokens are dimmed: the answer's stand out.
+    opening = '<tr class="mlxgen-reasoning-row" style="opacity: 0.6">' if entry.reasoning else "<tr>"
     return (
-        f'<tr><td style="{_NUM_STYLE}">{index}</td>'
+        f'{opening}<td style="{_NUM_STYLE}">{index}</td>'
         f'<td style="{_CELL_STYLE}"><code title="id {entry.token}">{html.escape(token_label(names(entry.token)))}</code></td>'
         f'<td style="{_NUM_STYLE}">{entry.logprob:.3f}</td>'
         f'<td style="{_NUM_STYLE}">{percent(entry.logprob)}</td>'
@@ -357,4 +359,18 @@ class LogprobsTable:
         """The answer with a tooltip on each token (see :func:`hover_html`)."""
         self.update()
         names = self.names if self.entries else TokenNames(None)
-        return hover_html(text, self.entries, names, names.joined)
+        return hover_html(text, self.answer_entries(), names, names.joined)
+
+    def answer_entries(self) -> list[TokenLogprobs]:
+        """The entries of the answer's tokens: after a reasoning model's reasoning, its end tag and the
+        whitespace the answer text leaves out."""
+        entries = self.entries
+        last = max((i for i, e in enumerate(entries) if e.reasoning), default=-1)
+        if last < 0:
+            return entries
+        start = last + 1
+        while start < len(entries) and not self.names(entries[start].token).strip("\n\t ").replace(
+            getattr(find_tokenizer(self.gen), "think_end", None) or "\0", ""
+        ):
+            start += 1  # the end tag, and what the template put after it
+        return entries[start:]
