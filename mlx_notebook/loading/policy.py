@@ -66,18 +66,19 @@ def batch_decode(model: nn.Module | None = None) -> bool:
 
     On by default wherever it pays, decided by measuring one batched step
     against one row's (``benchmarks/batch_step.py``). A GPU step is bound by
-    reading the weights: 8 rows cost about what one does (H200, 8B model:
-    5.0-5.2x one row's aggregate rate). On the CPU with float32 weights and
+    reading the weights: 8 rows cost about what one does (H200, 8B models:
+    4.5-5.9x one row's aggregate rate). On the CPU with float32 weights and
     OpenBLAS (the default model's fast path) a step is not "B times one"
-    either: 2-core x86, SmolLM2-135M, B=1 / 4 / 8 = CPU_FP32_STEP_MS; four
-    generations of 48 tokens together take CPU_TOGETHER_SPEEDUP less wall
-    time than one after another (``benchmarks/batching.py``). An earlier
-    measurement said 1.07x: that benchmark imported ``mlx`` before
-    ``mlx_notebook``, so OpenBLAS was never loaded and the model stayed Q4_1,
-    and MLX's quantized CPU matmul (no BLAS) costs B times one row for B
-    rows: CPU_QUANTIZED_STEP_MS. So a model whose matmuls stay quantized on
-    the CPU decodes alone (batching would only make every stop wait for a
-    longer step). ``MLX_NOTEBOOK_BATCH`` is ``auto`` (default: on, except
+    either: 2-core x86, SmolLM2-135M, B=1 / 4 / 8 steps of 70 / 118 / 151 ms
+    (2.4x / 3.7x one row's rate); four generations of 48 tokens submitted
+    together end 2.1x sooner than one after another, each with its solo
+    tokens (``benchmarks/batching.py``). An earlier measurement said 1.07x:
+    that benchmark imported ``mlx`` before ``mlx_notebook``, so OpenBLAS was
+    never loaded and the model stayed Q4_1, and MLX's quantized CPU matmul
+    (no BLAS) costs about B times one row for B rows (137 / 454 / 1096 ms:
+    1.2x / 1.0x). So a model whose matmuls stay quantized on the CPU decodes
+    alone (batching would only make every stop wait for a longer step); see
+    docs/benchmarks.md. ``MLX_NOTEBOOK_BATCH`` is ``auto`` (default: on, except
     quantized matmuls on the CPU), ``1`` (always) or ``0`` (never).
 
     Args:
