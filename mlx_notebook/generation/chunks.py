@@ -75,8 +75,18 @@ class ChunkPlanner:
         self._grow_blind = False
         self._samples = (self._samples + [(n, seconds)])[-6:]
         line = linear_fit(self._samples)
-        if line is None or line[1] <= 0:
+        if line is None:
+            # One size: how the time splits is unknown; all per-token is the
+            # pessimistic reading for bigger chunks.
             self.cost = (0.0, seconds / n)
+            return
+        if line[1] <= 0:
+            # Bigger chunks were no slower: the time is fixed cost (or noise
+            # over it). Reading it as per-token cost instead shrank the chunks
+            # toward one token under CPU load, each paying the fixed cost again.
+            # The fastest recent chunk bounds the fixed part: only when even it
+            # missed the target do chunks grow past what was measured.
+            self.cost = (min(t for _, t in self._samples), 0.0)
             return
         fixed, per_token = line
         self.cost = (max(0.0, fixed), per_token)
@@ -89,10 +99,14 @@ class ChunkPlanner:
             n = FIRST_PREFILL_CHUNK
         else:
             fixed, per_token = self.cost
-            n = int((target_s - fixed) / per_token) if target_s > fixed else 1
+            if target_s <= fixed:
+                n = 1
+            else:
+                n = int((target_s - fixed) / per_token) if per_token > 0 else MAX_PREFILL_CHUNK
             if self._last:
                 # At most 4x growth a chunk: the cost model extrapolates.
                 n = min(n, self._last * 4)
+            n = self._measured_bound(n, target_s)
             if target_s <= fixed:
                 # Not even one token fits: larger chunks cost no more latency
                 # than small ones, so grow for throughput.
@@ -109,6 +123,22 @@ class ChunkPlanner:
         size = 1 << (n.bit_length() - 1)  # the largest power of two <= n
         size = self._seen_size(size, done, remaining)
         return _aligned(size, done, remaining)
+
+    def _measured_bound(self, n: int, target_s: float) -> int:
+        """``n``, or less where it is beyond the largest recent chunk and that chunk's time per token forbids it.
+
+        A line through small chunks is mostly their fixed cost: its slope says
+        nothing about big ones, and a fresh process grew from such a line into
+        a chunk many times its budget. Beyond the sizes measured, a token costs
+        no less than it did in the largest recent chunk (an upper bound where
+        the fixed part is >= 0), so growth stays within what was measured.
+        """
+        if not self._samples:
+            return n
+        ref_n, ref_s = max(reversed(self._samples), key=lambda s: s[0])
+        if n <= ref_n:
+            return n
+        return max(int(ref_n), min(n, int(target_s * ref_n / ref_s)))
 
     def _seen_size(self, size: int, done: int, remaining: int) -> int:
         """``size``, or up to 4x smaller where only that chunk from ``done`` ran before.

@@ -1,0 +1,234 @@
+"""The chunk planner's fit on simulated devices: CPU load, context growth, a cold start, noise.
+
+Each device is a cost model (deterministic, seeded noise): what a chunk of ``n``
+tokens from position ``start`` truly costs, and what the planner is told.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from mlx_notebook.generation.chunks import ChunkPlanner
+
+GROWTH = 4  # the planner's most growth from one chunk to the next
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A chunk of ``n`` tokens from ``start`` costs ``fixed_s + n * (per_token_s + per_context_s * (start + n / 2))``."""
+
+    fixed_s: float
+    per_token_s: float
+    per_context_s: float = 0.0
+
+    def seconds(self, n: float, start: float) -> float:
+        return self.fixed_s + n * (self.per_token_s + self.per_context_s * (start + n / 2))
+
+    def _root(self, start: float, rhs: float) -> float:
+        a, b = self.per_context_s / 2, self.per_token_s + self.per_context_s * start
+        if rhs <= 0:
+            return 0.0
+        return rhs / b if a == 0 else (-b + (b * b + 4 * a * rhs) ** 0.5) / (2 * a)
+
+    def size_within(self, seconds: float, start: float) -> float:
+        return self._root(start, seconds - self.fixed_s)
+
+    def balance_size(self, start: float) -> float:
+        return self._root(start, self.fixed_s)
+
+
+pytestmark = pytest.mark.unit
+
+BUDGET = 0.1
+SHARE = 0.7  # the engine's BUDGET_SHARE
+
+
+@dataclass
+class Run:
+    start: int
+    n: int
+    true_s: float
+    measured_s: float
+
+
+Device = Callable[[int, int, random.Random], tuple[float, float]]
+
+
+def device(
+    fixed: float,
+    per_token: float,
+    per_context: float = 0.0,
+    *,
+    noise: float = 0.0,
+    spikes: float = 0.0,
+    spike_s: float = 0.0,
+    first_extra_s: float = 0.0,
+) -> Device:
+    """A chunk costs ``fixed + n * (per_token + per_context * (start + n / 2))``.
+
+    ``noise``: multiplicative log-normal sigma on the measurement; ``spikes``:
+    the share of chunks that also lose ``spike_s`` (a preemption);
+    ``first_extra_s``: a one-time cost of the process's first chunk.
+    """
+    model = CostModel(fixed, per_token, per_context)
+    first = [True]
+
+    def run(start: int, n: int, rng: random.Random) -> tuple[float, float]:
+        true = model.seconds(n, start)
+        measured = true * (rng.lognormvariate(0.0, noise) if noise else 1.0)
+        if spikes and rng.random() < spikes:
+            measured += spike_s
+        if first[0]:
+            first[0] = False
+            measured += first_extra_s
+        return true, measured
+
+    return run
+
+
+def simulate(planner: ChunkPlanner, tokens: int, target_s: float, dev: Device, *, seed: int = 0) -> list[Run]:
+    rng = random.Random(seed)
+    runs, done = [], 0
+    while done < tokens:
+        n = planner.next_chunk(target_s, done, tokens - done)
+        assert 1 <= n <= tokens - done
+        true, measured = dev(done, n, rng)
+        planner.observe(n, measured, start=done)
+        runs.append(Run(done, n, true, measured))
+        done += n
+    return runs
+
+
+def total(runs: list[Run]) -> float:
+    return sum(r.true_s for r in runs)
+
+
+def ideal_chunks(model: CostModel, tokens: int, target_s: float) -> int:
+    """Chunks a planner that knew the true cost would need."""
+    done, count = 0, 0
+    while done < tokens:
+        done += max(1, int(model.size_within(target_s, done)))
+        count += 1
+    return count
+
+
+# The default model (SmolLM2-135M, 30 layers) on this 2-core CPU, layer pieces:
+# a chunk may take 0.1 s * 0.7 * 30 / 2. Quiet: ~80 ms fixed (every weight
+# read once, 30 layer evaluations), ~10 ms a token, attention +3 ms a token
+# per 1,000 of context. Beside two busy loops (measured with forced chunk
+# sizes): the fixed part 15-25x (every evaluation waits for the scheduler),
+# the per-token part ~2.5x (the lost CPU share), and times scattered 0.2-5 s
+# for the same 4-token chunk.
+LAYER_TARGET = BUDGET * SHARE * 15
+QUIET = dict(fixed=0.08, per_token=0.010, per_context=3e-6)
+LOADED = dict(fixed=1.5, per_token=0.025, per_context=8e-6, noise=0.5, spikes=0.1, spike_s=3.0)
+
+
+def per_token_only(runs: list[Run], fixed: float) -> float:
+    """What the same chunks would cost without their fixed parts."""
+    return total(runs) - fixed * len(runs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the fit puts a swollen fixed cost into the slope and cuts chunks to 1-20 tokens (issue 20, item 4)",
+)
+def test_load_swelling_the_fixed_cost_does_not_collapse_the_chunks() -> None:
+    true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
+    for seed in range(5):
+        loaded = simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**LOADED), seed=seed)
+        # At least half of the time goes to tokens, not to fixed costs: no
+        # planner can beat the per-token part, and this one pays at most as
+        # much again (a collapse to 6-21-token chunks paid 10x).
+        assert total(loaded) <= 2.3 * per_token_only(loaded, LOADED["fixed"]), (seed, total(loaded))
+        # Chunks stay near the size whose per-token part equals the fixed part.
+        sizes = [r.n for r in loaded[4:-1]]
+        floor = statistics.median(true.balance_size(r.start) for r in loaded)
+        assert statistics.median(sizes) >= 0.7 * floor, (seed, floor, sizes)
+        # So a chunk takes about twice its fixed part, not more: a stop waits about that.
+        assert statistics.median(r.true_s for r in loaded[4:]) <= 3 * LOADED["fixed"]
+
+
+def test_the_same_planner_keeps_quiet_chunks_within_the_target() -> None:
+    runs = simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**QUIET))
+    assert max(r.true_s for r in runs) <= LAYER_TARGET / SHARE
+    assert statistics.median(r.true_s for r in runs[4:]) >= 0.6 * LAYER_TARGET
+
+
+@pytest.mark.xfail(
+    strict=True, reason="open: load arriving mid-prefill shrinks the chunks instead of growing them (issue 20, item 4)"
+)
+def test_load_arriving_mid_prefill_is_followed_within_a_few_chunks() -> None:
+    quiet, loaded = device(**QUIET), device(**{**LOADED, "noise": 0.0, "spikes": 0.0})
+    switch = 1500
+
+    def dev(start: int, n: int, rng: random.Random) -> tuple[float, float]:
+        return (loaded if start >= switch else quiet)(start, n, rng)
+
+    runs = simulate(ChunkPlanner(), 4000, LAYER_TARGET, dev)
+    after = [r for r in runs if r.start >= switch]
+    # Planned from quiet costs, the first chunk after the switch runs long; two later they fit the floor.
+    assert all(r.true_s <= 2.5 * LOADED["fixed"] for r in after[2:]), [(r.n, round(r.true_s, 2)) for r in after]
+    # And they do not shrink: the load swelled the fixed part, so they grow.
+    before = [r.n for r in runs[4 : len(runs) - len(after)]]
+    assert statistics.median(r.n for r in after[2:-1]) >= statistics.median(before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the affine fit lags a cost that rises with the context; late chunks run past the budget (issue 20, item 4)",
+)
+def test_context_growth_is_tracked_chunk_by_chunk() -> None:
+    # An accelerator at long context: attention makes a token at 16k cost 17x one at 0.
+    true = CostModel(0.002, 2e-5, 2e-8)
+    target = BUDGET * SHARE
+    runs = simulate(ChunkPlanner(), 16384, target, device(0.002, 2e-5, 2e-8))
+    assert max(r.true_s for r in runs) <= BUDGET, max(r.true_s for r in runs)
+    assert max(r.true_s for r in runs[6:]) <= 1.1 * target
+    # Sizes follow the cost down as the context grows (big chunks end on the
+    # KV step, so sizes come in multiples of 256), without wasting chunks.
+    assert runs[-2].n <= max(r.n for r in runs) / 2
+    assert len(runs) <= 1.3 * ideal_chunks(true, 16384, target) + 6, len(runs)
+
+
+def test_a_cold_start_grows_from_the_probe_no_faster_than_measurements_allow() -> None:
+    # The random qwen3 (hidden 256, 6 layers) on this CPU: small chunks are
+    # nearly all fixed cost, so their slope says nothing about big ones.
+    target = BUDGET * SHARE * 3
+    for seed in range(20):
+        dev = device(0.012, 4e-4, noise=0.2, first_extra_s=0.05)
+        runs = simulate(ChunkPlanner(), 3500, target, dev, seed=seed)
+        assert runs[0].n <= 8
+        for i, r in enumerate(runs[1:], 1):
+            assert r.n <= GROWTH * max(x.n for x in runs[:i]), runs[: i + 1]
+        assert max(r.true_s for r in runs) <= target / SHARE, (seed, [(r.n, round(r.true_s, 3)) for r in runs[:8]])
+
+
+def test_a_cold_start_on_a_steep_device_never_extrapolates_the_probes_slope() -> None:
+    # Chunks of 8 and 32 cost the same (a flat fixed part hides the per-token
+    # cost): a fitted line through them is flat, yet 2,000 tokens take 2 s.
+    for seed in range(20):
+        dev = device(0.03, 1e-3, noise=0.1)
+        runs = simulate(ChunkPlanner(), 2000, BUDGET * SHARE, dev, seed=seed)
+        assert max(r.true_s for r in runs) <= BUDGET, (seed, [(r.n, round(r.true_s, 3)) for r in runs[:8]])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: one preemption in the fit window bends the line, and a chunk runs past the budget (issue 20, item 4)",
+)
+def test_noise_and_preemptions_cost_neither_the_budget_nor_much_speed() -> None:
+    target = BUDGET * SHARE
+    true = CostModel(0.01, 5e-4)
+    for seed in range(10):
+        dev = device(0.01, 5e-4, noise=0.25, spikes=0.05, spike_s=0.5)
+        runs = simulate(ChunkPlanner(), 6000, target, dev, seed=seed)
+        assert max(r.true_s for r in runs) <= BUDGET
+        # A preemption shrinks at most the chunk after it: chunks stay near the target size.
+        assert statistics.median(r.true_s for r in runs) >= 0.7 * target
+        assert len(runs) <= 1.5 * ideal_chunks(true, 6000, target)
