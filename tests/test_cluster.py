@@ -263,6 +263,27 @@ def test_qwen3_greedy_tokens_match_single_process(tmp_path, worker):
     assert gen.state == "done" and gen.tokens == local.tokens, (gen.state, gen.error, gen.tokens, local.tokens)
 
 
+def test_reasoning_split_and_thinking_budget_match_single_process(tmp_path, worker):
+    """A reasoning model on the ranks: the kernel splits reasoning from answer with rank 0's tags, and the
+    thinking budget (a logits processor on every rank) closes the block where a single process does."""
+    from testkit.thinking_model import make_thinking_model
+
+    folder = make_thinking_model(tmp_path / "r1", template="r1")  # the generation prompt opens <think>
+    options = dict(max_tokens=24, thinking_budget=5, temperature=0.7, seed=4)
+    local = worker.submit(GenerationRequest(PROMPT, model=str(folder), **options))
+    local.result(120)
+    assert local.stats.reasoning_tokens > 0 and local.reasoning and local.text, (local.reasoning, local.text)
+    ranks = Cluster(LaunchSpec(str(folder), ranks=2, backend="ring")).start()
+    try:
+        gen = ranks.submit(GenerationRequest(PROMPT, **options))
+        gen.result(120)
+    finally:
+        ranks.stop()
+    assert gen.state == "done" and gen.tokens == local.tokens, (gen.state, gen.error, gen.tokens, local.tokens)
+    assert (gen.reasoning, gen.text) == (local.reasoning, local.text)
+    assert gen.stats.reasoning_tokens == local.stats.reasoning_tokens
+
+
 def test_bad_inputs_are_one_line_errors(running, tmp_path):
     bad = tmp_path / "hosts.json"
     bad.write_text("{not json")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.unit
         p.FailedStart("no such file"),
         p.Pong(),
         p.StateChanged(4, "decoding"),
+        p.Reasoning(4, "<think>", "</think>", [7], [8], True),
         p.Progress(5, "prefill", 10, 20),
         p.Tokens(6, [1, 2], "ab"),
         p.Stats(7, {"generated_tokens": 3}),

@@ -41,6 +41,7 @@ from typing import Any
 from ..control import CancelToken
 from ..errors import InvalidArgumentError, MLXNotebookError
 from ..generation.handle import Generation, Reporter
+from ..generation.reasoning import ThinkTags
 from ..generation.request import GenerationRequest
 from ..generation.states import State
 from ..generation.stats import FinishReason, GenerationStats, PrefillPieces
@@ -59,6 +60,7 @@ from .protocol import (
     Ping,
     Progress,
     Ready,
+    Reasoning,
     Seen,
     Shutdown,
     StateChanged,
@@ -482,7 +484,7 @@ class Cluster:
             self.state = ClusterState.ENDED
             self._ready.set()
             return
-        if not isinstance(msg, (Tokens, Progress, Stats, StateChanged, Finish)):
+        if not isinstance(msg, (Tokens, Progress, Stats, StateChanged, Reasoning, Finish)):
             return  # a Pong: hearing it is all it is for
         with self._lock:
             reporter = self._reporters.get(msg.id)
@@ -498,6 +500,9 @@ class Cluster:
                 self._outbox.append(Seen(gen.id, len(gen.tokens)))
         elif isinstance(msg, Progress):
             reporter.progress(msg.phase, msg.done, msg.total)
+        elif isinstance(msg, Reasoning):
+            tags = ThinkTags(msg.start, msg.end, tuple(msg.start_ids), tuple(msg.end_ids))
+            reporter.set_reasoning(tags, msg.open)
         elif isinstance(msg, Stats):
             _update_stats(gen.stats, msg.stats)
         elif isinstance(msg, StateChanged):

@@ -8,8 +8,8 @@ ranks: a :class:`Job`, broadcast through MLX collectives (:mod:`.agreement`).
 Kernel to rank 0: :class:`Generate`, :class:`Control`, :class:`Seen` (rank 0
 stays within :data:`MAX_AHEAD` tokens of it), :class:`Ping`, :class:`Shutdown`.
 Rank 0 to kernel: :class:`Ready`, :class:`FailedStart`, :class:`Pong`,
-:class:`StateChanged`, :class:`Progress`, :class:`Tokens`, :class:`Stats`,
-:class:`Finish`.
+:class:`StateChanged`, :class:`Reasoning`, :class:`Progress`,
+:class:`Tokens`, :class:`Stats`, :class:`Finish`.
 
 The request crosses the wire once, as :class:`GenerationRequest`'s own fields
 (:func:`request_fields` / :func:`request_from_fields`): the kernel validated
@@ -185,6 +185,23 @@ class StateChanged(Message):
 
 
 @dataclass
+class Reasoning(Message):
+    """Rank 0: the model's reasoning tags (text and token ids), and whether the prompt left the block open.
+
+    Sent once when a generation of a model with thinking tags starts: the
+    kernel has no tokenizer, and splits reasoning from answer with these.
+    """
+
+    TYPE: ClassVar[str] = "reasoning"
+    id: int
+    start: str
+    end: str
+    start_ids: list[int]
+    end_ids: list[int]
+    open: bool
+
+
+@dataclass
 class Progress(Message):
     """Rank 0: ``done`` of ``total`` in ``phase``."""
 
@@ -237,6 +254,7 @@ _TYPES: dict[str, type[Message]] = {
         FailedStart,
         Pong,
         StateChanged,
+        Reasoning,
         Progress,
         Tokens,
         Stats,

@@ -42,6 +42,7 @@ import mlx.core as mx
 from ..control import Cancelled, CancelToken
 from ..errors import MLXNotebookError
 from ..generation.prompt import prepare_prompt
+from ..generation.reasoning import opens_thinking, think_tags
 from ..generation.states import State
 from ..generation.stats import GenerationStats
 from ..loading.names import ModelSource, SourceKind
@@ -63,6 +64,7 @@ from .protocol import (
     Pong,
     Progress,
     Ready,
+    Reasoning,
     Seen,
     Shutdown,
     StateChanged,
@@ -279,6 +281,13 @@ class _RankSink:
 
     def progress(self, phase: str, done: int, total: int) -> None:
         self._send(Progress(self.id, phase, done, total))
+
+    def set_prompt(self, tokenizer: Any, prompt: list[int]) -> None:
+        """Tell the kernel (which has no tokenizer) the model's reasoning tags and whether the prompt opened a block."""
+        tags = think_tags(tokenizer)
+        if tags is not None:
+            opened = opens_thinking(tags, prompt)
+            self._send(Reasoning(self.id, tags.start, tags.end, list(tags.start_ids), list(tags.end_ids), opened))
 
     def emit(self, token_ids: list[int], text: str) -> None:
         # The kernel counts the tokens itself; stats (rates, step times) follow now and then.

@@ -17,7 +17,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
 
@@ -31,6 +31,13 @@ from .agreement import AgreedPace
 from .protocol import Job
 
 
+@runtime_checkable
+class _PromptAware(Protocol):
+    """A sink that tells the kernel about the prompt (rank 0's)."""
+
+    def set_prompt(self, tokenizer: Any, prompt: list[int]) -> None: ...
+
+
 def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> FinishReason:
     """Prefill ``job.prompt`` and decode; every rank calls this with the same job.
 
@@ -42,6 +49,8 @@ def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> F
     start = time.perf_counter()
     sink.set_state(State.PREFILLING)
     sink.stats.prompt_tokens = len(job.prompt)
+    if isinstance(sink, _PromptAware):
+        sink.set_prompt(loaded.tokenizer, job.prompt)
     cache = make_prompt_cache(loaded.model)
     prefill(loaded, cache, job.prompt, pace=pace, sink=sink)
     return decode(loaded, cache, job, pace=pace, sink=sink, prefill_start=start)
@@ -66,6 +75,8 @@ def decode(
     # rank (same seed, same logits) draws the token a single process draws.
     sample = make_sampler(job.request)
     fed = list(job.prompt)  # what the logits processors look back at (prompt, then tokens read)
+    generated: list[int] = []
+    sample.follow(loaded.tokenizer, job.prompt, generated)  # a thinking budget counts the row's tokens
     eos = set(loaded.tokenizer.eos_token_ids)
     detokenizer = loaded.tokenizer.detokenizer if pace.leader else None
     if detokenizer is not None:
@@ -80,7 +91,7 @@ def decode(
             # them when it is a step's token not read yet.
             known = mx.array(fed[-sample.context :], dtype=mx.uint32)
             context = mx.concatenate([known, inputs])[-sample.context :] if pending else known
-            logits = sample.process(context, logits)
+            logits = sample.process(context, logits, pending=pending)
         return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     y = step(mx.array(job.prompt[-1:], dtype=mx.uint32), pending=False)
@@ -93,6 +104,7 @@ def decode(
     while True:
         tok = cast(int, y.item())
         fed.append(tok)
+        generated.append(tok)
         if next_y is not None:
             mx.async_eval(next_y)
         now = time.perf_counter()
@@ -127,8 +139,9 @@ def decode(
         y, next_y = next_y, following
     if detokenizer is not None:
         detokenizer.finalize()
-        if detokenizer.last_segment:
-            sink.emit([], detokenizer.last_segment)
+        tail = detokenizer.last_segment  # read once: reading it moves the segment's start
+        if tail:
+            sink.emit([], tail)
     stats.finish_reason = finish
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     return finish

@@ -293,9 +293,13 @@ class Reporter:
 
     def set_prompt(self, prompt: list[int]) -> None:
         """The prompt's tokens: the reasoning channel starts open when the chat template opened the block."""
-        open_ = opens_thinking(self._tags, prompt)
-        self._text = TextChannels(self._tags, open_)
-        self._tokens = TokenChannels(self._tags, open_)
+        self.set_reasoning(self._tags, opens_thinking(self._tags, prompt))
+
+    def set_reasoning(self, tags: ThinkTags | None, open_: bool) -> None:
+        """The reasoning tags, and whether the block is open before the first token (where the tokenizer is not here: a cluster's rank 0 says)."""
+        self._tags = tags
+        self._text = TextChannels(tags, open_)
+        self._tokens = TokenChannels(tags, open_)
         self.generation._thinking = open_
 
     def add_logprobs(self, entry: TokenLogprobs) -> None:
