@@ -227,9 +227,9 @@ def wait_gone(pgid: int, timeout: float = GONE_LIMIT_S) -> float | None:
     return time.monotonic() - start
 
 
-def cluster_plan(seed: int, rounds: int) -> list[tuple[str, str]]:
-    """``(phase, fault)`` for each cluster round: the whole grid in a seeded order, cycle after cycle."""
-    grid = [(p, f) for p in CLUSTER_PHASES for f in CLUSTER_FAULTS]
+def cluster_plan(seed: int, rounds: int, faults: tuple[str, ...] = CLUSTER_FAULTS) -> list[tuple[str, str]]:
+    """``(phase, fault)`` for each cluster round: the grid of ``faults`` in a seeded order, cycle after cycle."""
+    grid = [(p, f) for p in CLUSTER_PHASES for f in faults]
     out: list[tuple[str, str]] = []
     cycle = 0
     while len(out) < rounds:
@@ -250,6 +250,7 @@ class ClusterCampaign(Campaign):
           (the tiny model decodes 100-400 tok/s on two ranks here). Default: ``400``.
         seeded: Also run rounds with seeded sampling (``-t 0.9 --seed 11``). Default: ``True``.
         log: Where progress lines go. Default: nothing.
+        kill_rank: The rank that rank faults hit; ``None``: a random one each round. Default: ``None``.
     """
 
     def __init__(
@@ -260,9 +261,11 @@ class ClusterCampaign(Campaign):
         tokens: int = 400,
         seeded: bool = True,
         log: Callable[[str], None] = lambda line: None,
+        kill_rank: int | None = None,
     ) -> None:
         super().__init__(cluster_specs(tokens, seeded=seeded), seed=seed, log=log)
         self.model_path = model_path
+        self.kill_rank = kill_rank
         self.pgids: list[int] = []  # every cluster the campaign started, for the orphan check
         self.kernel_pids: list[int] = []
         self.start_s: list[float] = []
@@ -364,7 +367,7 @@ class _ClusterRound(_Round):
 
     def fault_rank_kill(self) -> None:
         s, r = self.s, self.r
-        r.rank = self.rng.randrange(CLUSTER_RANKS)
+        r.rank = self.rng.randrange(CLUSTER_RANKS) if self.c.kill_rank is None else self.c.kill_rank
         killed = s.eval(f"_fc_rank_kill(_fc_t, {r.rank}, {RANK_SIGNALS[self.fault]})", timeout=120)
         r.fail_s, r.cluster_ended_s = killed["fail_s"], killed["cluster_ended_s"]
         r.detail = killed["error"] or ""
@@ -452,6 +455,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
         "min": round(ordered[0], 4),
         "median": round(statistics.median(ordered), 4),
         "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 4),
+        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4),
         "max": round(ordered[-1], 4),
     }
 
@@ -474,6 +478,10 @@ def cluster_summary(results: list[RoundResult], campaign: ClusterCampaign | None
         "rank_kills": len(kills),
         "rank_kill_fail_s": _spread([r.fail_s for r in kills if r.fail_s is not None]),
         "rank_kill_cluster_ended_s": _spread([r.cluster_ended_s for r in kills if r.cluster_ended_s is not None]),
+        "rank_kill_fail_s_by_rank": {
+            str(rank): _spread([r.fail_s for r in kills if r.rank == rank and r.fail_s is not None])
+            for rank in range(CLUSTER_RANKS)
+        },
         "rank_kill_errors": sorted({re.sub(r"#\d+", "#N", r.detail) for r in kills if r.detail}),
         "rank_hangs": len(hangs),
         "rank_hang_fail_s": _spread([r.fail_s for r in hangs if r.fail_s is not None]),
@@ -520,8 +528,20 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="rounds on a 2-rank ring cluster of the tiny model, in a kernel of their own (default 0)",
     )
+    parser.add_argument(
+        "--cluster-faults",
+        default=",".join(CLUSTER_FAULTS),
+        help=f"comma-separated faults of the cluster rounds (default: all of {', '.join(CLUSTER_FAULTS)})",
+    )
+    parser.add_argument(
+        "--kill-rank", type=int, default=None, help="the rank that rank faults hit (default: a random one each round)"
+    )
     parser.add_argument("--workdir", default=None, help="where the tiny models go (default: a temp dir)")
     args = parser.parse_args(argv)
+    cluster_faults = tuple(f.strip() for f in args.cluster_faults.split(",") if f.strip())
+    unknown = sorted(set(cluster_faults) - set(CLUSTER_FAULTS))
+    if unknown or not cluster_faults:
+        parser.error(f"--cluster-faults: unknown {unknown or 'empty'}; choose from {', '.join(CLUSTER_FAULTS)}")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="mlxnb-faults-"))
@@ -567,14 +587,17 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(len(payload["cluster_rounds"]), args.cluster_rounds):
             if cluster_campaign is None:
                 cluster_campaign = ClusterCampaign(
-                    str(models[0].name), seed=args.seed, log=lambda line: print(line, flush=True)
+                    str(models[0].name),
+                    seed=args.seed,
+                    log=lambda line: print(line, flush=True),
+                    kill_rank=args.kill_rank,
                 )
                 print(f"cluster rounds {index}..{args.cluster_rounds - 1}", flush=True)
                 cluster_campaign.start()
             if over_time():
                 payload["stopped_early"] = f"time limit: {index} of {args.cluster_rounds} cluster rounds ran"
                 break
-            phase, fault = cluster_plan(args.seed, args.cluster_rounds)[index]
+            phase, fault = cluster_plan(args.seed, args.cluster_rounds, cluster_faults)[index]
             payload["cluster_rounds"].append(cluster_campaign.cluster_round(index, phase, fault).to_json())
             save()
     finally:
