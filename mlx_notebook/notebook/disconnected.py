@@ -19,6 +19,7 @@ from typing import Any
 LIVE_CLASS = "mlxgen-live"  # hidden once the kernel is gone
 NOTE_CLASS = "mlxgen-disconnected"  # shown once the kernel is gone
 STATE_CLASS = "mlxgen-state"  # a live state word in the stats line
+LIVE_STATE_CLASS = "mlxgen-live-state"  # the word itself, hidden once the kernel is gone
 GONE_STATE = "ended: kernel gone"
 NOTE = "Disconnected from its kernel (restarted or shut down): this generation has ended; the text above is what it produced."
 
@@ -28,13 +29,14 @@ _STYLE = (
     f" .jupyter-widgets-disconnected.{LIVE_CLASS}, .jupyter-widgets-disconnected .{LIVE_CLASS}"
     " { display: none !important; }"
     # Generated content, not text: readers of the widget's value still see the state it last had.
+    f" .jupyter-widgets-disconnected .{LIVE_STATE_CLASS} {{ display: none; }}"
     f' .jupyter-widgets-disconnected .{STATE_CLASS}::after {{ content: "{GONE_STATE}"; }}'
 )
 
 
 def live_state(state: str) -> str:
     """HTML of a live state word in the stats line: hidden, and "ended: kernel gone" shown, once the kernel is gone."""
-    return f'<span class="{STATE_CLASS}"><span class="{LIVE_CLASS}">{state}</span></span>'
+    return f'<span class="{STATE_CLASS}"><span class="{LIVE_STATE_CLASS}">{state}</span></span>'
 
 
 def disconnected_note() -> Any:

@@ -119,6 +119,11 @@ def test_restart_kernel_menu_mid_generation(lab: Lab) -> None:
     assert "this generation has ended" in note.inner_text()
     assert not old.locator(".mlxgen-live").is_visible()
     assert old.locator(".widget-vbox button:visible").count() == 0
+    # Nor does its stats line still read "decoding": the live state word gives way to what happened.
+    status = old.locator(".mlxgen-status")
+    assert "decoding" not in status.inner_text(), status.inner_text()
+    after = status.locator(".mlxgen-state").evaluate("(e) => getComputedStyle(e, '::after').content")
+    assert after == '"ended: kernel gone"', after
 
     nb.fresh_kernel()
     nb.run(2)
