@@ -75,9 +75,11 @@ class ChunkPlanner:
         self._grow_blind = False
         self._samples = (self._samples + [(n, seconds)])[-6:]
         line = linear_fit(self._samples)
-        if line is None:
-            # One size: how the time splits is unknown; all per-token is the
-            # pessimistic reading for bigger chunks.
+        sizes = [x for x, _ in self._samples]
+        if line is None or max(sizes) < 1.5 * min(sizes):
+            # Sizes too alike to tell how the time splits (context growth
+            # alone tilts the line): all per-token is the pessimistic reading
+            # for bigger chunks.
             self.cost = (0.0, seconds / n)
             return
         if line[1] <= 0:
