@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, MLXNotebookError
+from .generation.constraints import EXTRA, IncompleteOutputError
 from .generation.handle import Generation
 from .generation.request import GenerationRequest, check_option, option_names
 from .generation.states import State
@@ -85,6 +86,66 @@ class Batch(Sequence[Generation]):
     def finished(self) -> bool:
         """Whether every member reached ``stopped``, ``done`` or ``failed``."""
         return all(gen.finished for gen in self._generations)
+
+    @property
+    def parsed(self) -> list[Any]:
+        """Each member's :attr:`~mlx_notebook.generation.handle.Generation.parsed` value, in prompt order.
+
+        Raises:
+            IncompleteOutputError: A member has no value (not finished, or ended
+              before its value closed); the message names the first such member
+              (:meth:`records` / :meth:`to_pandas` show every member's error instead).
+        """
+        values = []
+        for index, gen in enumerate(self._generations):
+            try:
+                values.append(gen.parsed)
+            except IncompleteOutputError as exc:
+                raise IncompleteOutputError(f"prompts[{index}]: {exc}") from None
+        return values
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per member: the parsed value's fields (``value`` when it is not an object), ``state`` and ``error``.
+
+        Never raises: a member with no value has its ``error`` (one line) and no fields.
+        """
+        rows = []
+        for gen in self._generations:
+            row: dict[str, Any] = {}
+            error = None
+            try:
+                row.update(_fields(gen.parsed))
+            except MLXNotebookError as exc:
+                error = str(exc)
+            rows.append({**row, "state": str(gen.state), "error": error})
+        return rows
+
+    def columns(self, records: list[dict[str, Any]] | None = None) -> list[str]:
+        """The columns of :meth:`records`: the schema's properties first, then any others, ``state``, ``error``.
+
+        Args:
+            records: What :meth:`records` returned (read again when ``None``). Default: ``None``.
+        """
+        names: list[str] = []
+        constraint = self._generations[0].request.constraint if self._generations else None
+        if constraint is not None:
+            names = constraint.fields or ([] if constraint.kind == "schema" else ["value"])
+        for row in self.records() if records is None else records:
+            names += [key for key in row if key not in names and key not in ("state", "error")]
+        return names + ["state", "error"]
+
+    def to_pandas(self) -> Any:
+        """:meth:`records` as a pandas ``DataFrame``: one column per field, plus ``state`` and ``error``.
+
+        Raises:
+            InvalidArgumentError: pandas is not installed (the message names the extra).
+        """
+        try:
+            import pandas
+        except ImportError:
+            raise InvalidArgumentError(f"batch.to_pandas() needs pandas: pip install 'mlx-notebook[{EXTRA}]'") from None
+        records = self.records()
+        return pandas.DataFrame(records, columns=self.columns(records))
 
     def summary(self) -> str:
         """One line: how many members are in each state, and their tokens.
@@ -194,6 +255,16 @@ def generate_many(prompts: Iterable[str | list[int]], *, worker: Worker | None =
         Batch(submitted).cancel()
         raise
     return Batch(submitted)
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    """A parsed value as a table row: a Pydantic instance's or a dict's fields, else one ``value``."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        value = dump()
+    if isinstance(value, dict):
+        return dict(value)
+    return {"value": value}
 
 
 def _default_worker() -> Worker:

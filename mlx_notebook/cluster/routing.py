@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from ..errors import InvalidArgumentError
 from ..generation.handle import Generation
 from ..generation.request import GenerationRequest
 
@@ -118,6 +119,9 @@ def submit(request: GenerationRequest, worker: Worker) -> Generation:
     """Run ``request`` on the cluster when it serves the request's model, else queue it on ``worker``."""
     cluster = _current
     if cluster is not None and cluster.serves(request.model):
+        if request.constraint is not None:
+            # The ranks sample with no matcher yet (issue 22): refuse rather than ignore it.
+            raise InvalidArgumentError("schema=, choices= and regex= do not run on a cluster yet; use a local model")
         return cluster.submit(request)
     return worker.submit(request)
 

@@ -19,7 +19,9 @@ lands while the worker waits for a token also waits for the step queued
 behind it, so that happens only while two steps fit ``DECODE_BUDGET_SHARE`` of
 the tightest budget in the batch. Otherwise the next step is queued as soon
 as the tokens are read, unless a row has a stop or pause waiting or a
-sequence waits to join: then rows change first.
+sequence waits to join: then rows change first. While a constrained row
+(``schema=``, ``choices=``, ``regex=``: :mod:`.constraint_matcher`) is in the
+batch no step is built ahead: its mask needs its last token read.
 
 A stop of one row while others go on is reported at once, without waiting
 for the step in flight (:meth:`DecodeBatch._wait`; :meth:`DecodeBatch._detach`
@@ -45,6 +47,7 @@ from ..control import Pace
 from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
+from .constraint_matcher import RowMatcher, ll_tokenizer, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .request import GenerationRequest
 from .sampling import Sampler, make_sampler
@@ -101,6 +104,8 @@ class Row:
     # Reported stopped while a step with it in was in flight: its share of that
     # step is dropped, its rows are cut from the batch's cache when the step ends.
     detached: bool = False
+    # Its grammar's state (schema=, choices=, regex=), fed every read token: parked with the row.
+    matcher: RowMatcher | None = None
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
@@ -206,6 +211,9 @@ class DecodeBatch:
         # The reasoning channel starts open when the prompt opened it; a thinking budget reads the row's tokens.
         row.sink.set_prompt(row.prompt)
         row.sample.follow(tokenizer, row.prompt, row.tokens)
+        constraint = row.request.constraint
+        if constraint is not None and row.matcher is None:
+            row.matcher = RowMatcher(constraint, ll_tokenizer(self.loaded))
         # A stop wakes the worker while it waits for a step (see _wait).
         row.pace.token.watchers.append(self._poke)
         self.ready.append(row)
@@ -256,10 +264,12 @@ class DecodeBatch:
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
         nxt = None
         queued = False
-        if any(continuing) and not self.ready:
+        if any(continuing) and not self.ready and not any(r.matcher is not None for r in self.rows):
             # The next step's graph is built while the device computes ``y``
             # (as mlx-lm does); it is queued before ``y`` is read only while
-            # two steps fit the budget (see the module's docstring).
+            # two steps fit the budget (see the module's docstring). Not with a
+            # constrained row: its next mask needs ``y``'s token read and fed to
+            # its matcher, so the batch keeps one step in flight while it is in.
             nxt = self._forward(y.tokens)
             if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
                 mx.async_eval(nxt.arrays())
@@ -362,6 +372,8 @@ class DecodeBatch:
     ) -> None:
         stats = row.sink.stats
         row.tokens.append(tok)
+        if row.matcher is not None:
+            row.matcher.advance(tok)  # now, so that the next step's mask can be computed
         if row.first_token_at is None:
             row.first_token_at = now
             stats.ttft_s = now - row.start
@@ -369,7 +381,8 @@ class DecodeBatch:
             row.sink.set_state(State.DECODING)
             row.sink.progress("prefill", len(row.prompt), len(row.prompt))
         if tok in row.eos:
-            row.finish = FinishReason.EOS
+            # A constrained row's mask allows EOS only where its grammar accepts.
+            row.finish = FinishReason.EOS if row.matcher is None else FinishReason.GRAMMAR
             return
         if logprobs is not None:
             chosen, top_ids, top_values = (a.tolist() for a in logprobs)
@@ -385,6 +398,8 @@ class DecodeBatch:
         if n % 32 == 1:
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         self._emit(row, [tok], row.detokenizer.last_segment)
+        if row.matcher is not None and row.matcher.done and row.finish is None:
+            row.finish = FinishReason.GRAMMAR  # the value closed: nothing but EOS may follow
         if not more and row.finish is None:
             row.finish = FinishReason.LENGTH
 
@@ -566,6 +581,12 @@ class DecodeBatch:
                     for i, r in enumerate(self.rows)
                 ]
             )
+        if any(r.matcher is not None for r in self.rows):
+            # Constrained rows (never built ahead: their last token is read and fed).
+            # The forward is queued first, so the host computes the masks while the
+            # device runs it; only the sampling below waits for them.
+            mx.async_eval(logits)
+            logits = mask_logits(logits, [r.matcher for r in self.rows])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if len(self.rows) == 1:
             tokens = self.rows[0].sample(logprobs)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..control import CancelToken
+from ..errors import InvalidArgumentError
+from .constraints import IncompleteOutputError
 from .reasoning import TextChannels, ThinkTags, TokenChannels, opens_thinking, think_tags
 from .request import GenerationRequest
 from .states import State
@@ -155,6 +157,29 @@ class Generation:
         """The tokenizer of the model it runs on (mlx-lm's wrapper), for reading ``tokens`` and
         ``logprobs``; ``None`` until the model is loaded."""
         return self._tokenizer
+
+    @property
+    def parsed(self) -> Any:
+        """The value of a constrained answer (``schema=``, ``choices=``, ``regex=``), validated.
+
+        The Pydantic instance for a Pydantic ``schema``, the dict (or list...)
+        for a JSON Schema, the chosen string for ``choices``, the text for
+        ``regex``. :attr:`text` stays readable whatever happens here.
+
+        Raises:
+            InvalidArgumentError: The request has no constraint.
+            IncompleteOutputError: It has not finished, or ended before the value
+              closed (``max_tokens`` ran out, stopped, a stop string); the message says which.
+        """
+        constraint = self.request.constraint
+        if constraint is None:
+            raise InvalidArgumentError("gen.parsed needs schema=, choices= or regex= in the request; read gen.text")
+        # The final state, not ``finished``: listeners (a map's table) read it before waiters wake.
+        finish = self.stats.finish_reason if self._state.final else None
+        try:
+            return constraint.parse(self.text, finish, max_tokens=self.request.max_tokens)
+        except IncompleteOutputError as exc:
+            raise IncompleteOutputError(f"generation #{self.id}: {exc}") from None
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, TypeGuard
 
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import InvalidArgumentError
+from .constraints import Constraint, check_constraint, constraint_of
 
 # Decode reads every weight once per step whatever the batch: on an H200 an
 # 8B model decodes 8 sequences at ~5x one's aggregate rate (issue 11), on a
@@ -62,6 +63,10 @@ class GenerationRequest:
         thinking_budget: Most reasoning tokens: after that many, the end of the
           reasoning (the end tag and what the template puts after it) is forced
           and the model answers. ``None``: no limit. Default: ``None``.
+        schema: The answer is JSON valid against this JSON Schema dict or Pydantic
+          model class (``gen.parsed`` reads it back). Default: ``None``.
+        choices: The answer is exactly one of these strings. Default: ``None``.
+        regex: The answer matches this regular expression (Rust ``regex`` syntax). Default: ``None``.
     """
 
     prompt: str | list[int] | list[dict[str, str]]
@@ -84,6 +89,9 @@ class GenerationRequest:
     thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = None
+    schema: Any = None
+    choices: list[str] | None = None
+    regex: str | None = None
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
@@ -91,7 +99,17 @@ class GenerationRequest:
         if is_messages(self.prompt) and not self.chat:
             raise InvalidArgumentError("a list of messages needs the chat template: leave chat=True")
         for name in _CHECKS:
-            check_option(name, getattr(self, name))
+            if name not in _CONSTRAINTS:
+                check_option(name, getattr(self, name))
+        self.__dict__["_constraint"] = constraint_of(self.schema, self.choices, self.regex)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the answer must be (``schema``, ``choices`` or ``regex``), or ``None``; built once."""
+        if "_constraint" not in self.__dict__:
+            self.__dict__["_constraint"] = constraint_of(self.schema, self.choices, self.regex)
+        found: Constraint | None = self.__dict__["_constraint"]
+        return found
 
 
 def option_names() -> list[str]:
@@ -268,4 +286,9 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "thinking": _check_thinking,
     "chat_template_kwargs": _optional(_check_template_kwargs),
     "thinking_budget": _optional(lambda name, v: _check_int(name, v, minimum=0)),
+    "schema": check_constraint,
+    "choices": check_constraint,
+    "regex": check_constraint,
 }
+# Checked together in validate(): at most one, and the grammar built once.
+_CONSTRAINTS = ("schema", "choices", "regex")

@@ -16,6 +16,7 @@ class FinishReason(TextEnum):
     EOS = "stop"  # the model's end-of-sequence token (mlx-lm's name: "stop")
     LENGTH = "length"
     STOP_STRING = "stop_string"  # the text reached one of the request's stop strings
+    GRAMMAR = "grammar"  # a constrained answer's value closed (schema, choices, regex)
     STOPPED = "stopped"
     FAILED = "failed"
 

@@ -45,6 +45,7 @@ from .map_inputs import map_prompts
 from .map_widget import make_map_view
 from .option_flags import given_options, option_arguments
 from .routing import DisplayRouter
+from .structured import choices_from, schema_from
 from .text_form import error_line
 from .widget import FORMAT_CHOICES, UI_CHOICES, make_view
 
@@ -319,6 +320,13 @@ class MLXGen(Magics):
         given = given_options(args, option_names())
         if "logit_bias" in given:
             given["logit_bias"] = self.logit_bias_from(given["logit_bias"])
+        try:  # --schema NAME / --choices a,b,c (structured output)
+            if "schema" in given:
+                given["schema"] = schema_from(given["schema"], self.shell.user_ns)
+            if "choices" in given:
+                given["choices"] = choices_from(given["choices"], self.shell.user_ns)
+        except MLXNotebookError as exc:
+            raise fail(error_line(exc)) from None
         return {**{name: getattr(self, name) for name in self.request_traits()}, **given}
 
     def logit_bias_from(self, text: str | None) -> dict[int, float] | None:

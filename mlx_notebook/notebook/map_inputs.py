@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from .interpolate import interpolate
+from .structured import dataframe_rows, is_dataframe
 
 ITEM = "item"  # the placeholder name of the current item
 
@@ -61,6 +62,11 @@ def _items(name: str, value: Any) -> list[Any]:
         raise InvalidArgumentError(
             f"--map {name} is a single {type(value).__name__}; give a list of inputs, e.g. {name} = [{name}]"
         )
+    if is_dataframe(value):
+        items = dataframe_rows(value)  # rows, not the column names a DataFrame iterates over
+        if not items:
+            raise InvalidArgumentError(f"--map {name} is an empty DataFrame: nothing to generate")
+        return items
     if not isinstance(value, Iterable):
         raise InvalidArgumentError(
             f"--map {name} is {_a(type(value).__name__)}, not iterable; give a list (or any iterable) of inputs"

@@ -35,6 +35,7 @@ from ..generation.handle import Generation, GenerationEvent
 from ..generation.states import State
 from ..many import Batch
 from .routing import Bundle, DisplayRouter, current_parent, keep_frontend_subshell, msg_id, thread_parent
+from .structured import parsed_table_html, parsed_table_text
 from .text_form import error_line, thinking_line
 from .widget import METADATA_KEY, OUTCOME_COLOR, OUTCOME_STYLE, choose_ui
 
@@ -110,6 +111,9 @@ def map_plain_text(batch: Batch) -> tuple[str, list[dict[str, Any]]]:
         out.append(f"{line}\n{text}")
         size += len(line) + 1 + len(text)
         entries.append({"id": gen.id, "state": str(gen.state), "start": start, "end": start + len(text)})
+    table = parsed_table_text(batch)  # a constrained map's values, after the texts (their offsets hold)
+    if table:
+        out.append(f"\n\n{table}")
     return "".join(out), entries
 
 
@@ -264,6 +268,7 @@ class MapWidgetView(MapView):
             layout=w.Layout(flex="1 1 auto", min_width="12em"),
         )
         self.summary = w.HTML(value="")
+        self.table = w.HTML(value="")  # the parsed values of a constrained map, filled in as inputs finish
         header = w.HBox([self.stop_all, self.pause_all, self.progress], layout=w.Layout(align_items="center"))
         self.stops: list[Any] = []
         self.lines: list[Any] = []
@@ -282,7 +287,7 @@ class MapWidgetView(MapView):
         hidden = len(batch) - len(rows)
         if hidden > 0:
             rows.append(w.HTML(value=f"<i>… and {hidden} more inputs: bind the batch with -o NAME to reach them</i>"))
-        self.box = w.VBox([header, self.summary, *rows])
+        self.box = w.VBox([header, self.summary, self.table, *rows])
         self.box.add_class("mlxgen-map")
         self.stop_all.on_click(self._on_stop_all_click)
         self.pause_all.on_click(self._on_pause_all_click)
@@ -333,6 +338,9 @@ class MapWidgetView(MapView):
                         f"{html.escape(row_line(index, gen))}</span>"
                     )
             self._draw_header()
+            table = parsed_table_html(batch)
+            if table != self.table.value:
+                self.table.value = table
 
     def _draw_header(self) -> None:
         batch = self.batch
@@ -384,7 +392,8 @@ class MapTerminalView(MapView):
     def publish_final(self) -> None:
         self.draw()
         if self.stream:
-            print(f"[mlxgen map: {self.batch.summary()}]", flush=True)
+            table = parsed_table_text(self.batch)
+            print(f"[mlxgen map: {self.batch.summary()}]" + (f"\n{table}" if table else ""), flush=True)
 
 
 def make_map_view(

@@ -89,7 +89,9 @@ FLAGS: dict[str, Flag] = {
     ),
     "schema": Flag(("--schema",), "the answer is JSON of this Pydantic class or dict (gen.parsed)", metavar="NAME"),
     "choices": Flag(("--choices",), "the answer is exactly one of these (comma-separated)", metavar="A,B,C"),
-    "regex": Flag(("--regex",), "the answer matches this regular expression", metavar="RE"),
+    "regex": Flag(
+        ("--regex",), "the answer matches this regular expression ({{n}} for {n}: IPython fills {x})", metavar="RE"
+    ),
 }
 
 
