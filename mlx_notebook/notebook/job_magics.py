@@ -18,6 +18,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..cluster import routing
 from ..errors import MLXNotebookError
 from ..generation.handle import Generation
 from ..generation.request import is_messages
@@ -52,10 +53,7 @@ class JobMagics(Magics):
         args = parse_or_fail(self.mlxgen_stop, line)
         worker = self.used_worker()
         if args.target == "all":
-            stopped = worker.cancel_all() if worker is not None else []
-            cluster = _cluster()
-            if cluster is not None:
-                stopped += cluster.cancel_all()
+            stopped = routing.cancel_all(worker)
             if stopped:
                 print("stopping " + ", ".join(f"#{g.id}" for g in stopped))
             else:
@@ -79,12 +77,7 @@ class JobMagics(Magics):
 
     def _history(self) -> list[Generation]:
         """This kernel's generations, local and on its cluster, oldest first."""
-        worker = self.used_worker()
-        gens = list(worker.history) if worker is not None else []
-        cluster = _cluster()
-        if cluster is not None:
-            gens += cluster.history
-        return sorted(gens, key=lambda g: g.id)
+        return routing.history(self.used_worker())
 
     # -- %mlxgen_jobs ---------------------------------------------------------------------------
 
@@ -171,13 +164,6 @@ class JobMagics(Magics):
         except TimeoutError as exc:
             raise fail(str(exc)) from None
         print(f"{name}: unloaded" if removed else f"{name}: not loaded")
-
-
-def _cluster() -> Any:
-    """The kernel's cluster, if one was started (its generations are listed and stopped too)."""
-    from ..cluster.routing import current
-
-    return current()
 
 
 def _table(rows: list[list[str]]) -> str:

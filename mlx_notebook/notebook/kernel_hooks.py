@@ -329,12 +329,9 @@ class KernelHooks:
     def stop_background(self) -> list[Generation]:
         """Cancel the running and queued generations; return them."""
         worker = self.worker()
-        stopped = worker.cancel_all() if worker is not None else []
-        from ..cluster.routing import current  # generations running on a cluster's ranks
+        from ..cluster import routing  # generations running on a cluster's ranks too
 
-        cluster = current()
-        if cluster is not None:
-            stopped += cluster.cancel_all()
+        stopped = routing.cancel_all(worker)
         if stopped:
             log.info("interrupt while idle: stopping %s", ", ".join(f"#{g.id}" for g in stopped))
         return stopped
