@@ -34,7 +34,7 @@ from testkit.fault_rounds import (
     summarize,
     tiny_spec,
 )
-from testkit.kernel_helpers import KernelSession, view, wait_state
+from testkit.kernel_helpers import start_kernel, view, wait_state
 from testkit.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -69,6 +69,30 @@ def test_random_fault_rounds(campaign: Campaign) -> None:
     _no_problems(results)
     assert any(r.outcome == "stopped" for r in results), "no round stopped a generation"
     assert any(r.fault == "pause_resume" and r.outcome == "done" for r in results), "no pause+resume"
+
+
+@pytest.mark.kernel
+def test_fault_rounds_with_the_prefix_cache_on(tiny_model: str) -> None:
+    """The rounds above run with the prompt cache off; with it on, every rerun of a
+    prompt starts from its cached prefix, and after every fault (stops, pauses,
+    interrupts, restarts, MLX errors) a fresh generation still gives the reference."""
+    c = Campaign([tiny_spec("tiny", tiny_model)], seed=SEED + 1, prompt_cache_gb=2.0)
+    c.start()
+    try:
+        assert c.s.eval("get_ipython().magics_manager.registry['MLXGen'].prompt_cache_gb") == 2.0
+        schedule = plan(SEED + 1, 12, mlx_error_share=0.1)
+        results = [c.run_round(i, phase, fault) for i, (phase, fault) in enumerate(schedule)]
+        _no_problems(results)
+        # After all that the cache serves: the second run of the long prompt (rounds may
+        # have restarted the kernel since the first) prefills only its last token.
+        prompt, n = c._prompt(c.main, "prefill")
+        for _ in range(2):
+            assert c._generate_wait(c.main, prompt, n, "_fc_cached").ok
+            assert c.s.eval("_fc_cached.tokens") == c.references[("tiny", "prefill")]
+        cached, total = c.s.eval("(_fc_cached.stats.cached_tokens, _fc_cached.stats.prompt_tokens)")
+        assert cached == total - 1, (cached, total)
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("phase, how", [("prefill", "eval"), ("decode", "raise"), ("decode", "eval")])
@@ -189,6 +213,7 @@ SLOW = {
 }
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("where", sorted(SLOW))
 def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model: str, where: str) -> None:
     """An interrupt while a ``--wait`` cell was still showing its widget used to
@@ -196,9 +221,7 @@ def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model:
     and the widget showing "queued" with its Stop button enabled (or, landing
     inside ipywidgets' ``hold_sync``, a widget that never updated again)."""
     module, target = SLOW[where]
-    session = KernelSession()
-    try:
-        assert session.execute("%load_ext mlx_notebook").ok
+    with start_kernel() as session:
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok  # loaded
         # Make that step slow, and say when it begins, so the interrupt surely lands in it.
         assert session.execute(
@@ -223,8 +246,6 @@ def test_interrupt_before_the_wait_begins_still_stops_the_generation(tiny_model:
         assert wait_state(session, cell, ("stopped",), timeout=10) == "stopped"
         assert view(session, cell)["stop"][1]["disabled"] is True
         assert session.execute(f"%%mlxgen -m {tiny_model} -n 2 --wait\nhi").ok
-    finally:
-        session.close()
 
 
 _FIRST_LOAD = """
