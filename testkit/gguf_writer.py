@@ -318,6 +318,7 @@ def family_weights(
     layers: int | None = None,
     intermediate: int | None = None,
     vocab: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
 ) -> tuple[dict, dict]:
     """``(config, weights)``: an mlx-lm config and random float32 weights under Hugging Face names.
@@ -328,12 +329,13 @@ def family_weights(
         layers: Layers; default: the family's test count (2; gemma3: 6, so one layer is global).
         intermediate: MLP size; default ``2 * hidden``.
         vocab: Embedding rows; default: the family's real vocabulary size.
+        head_dim: Head size; default: the family's (Qwen3: 32), else ``hidden / 4``.
         seed: For the weights.
     """
     spec = FAMILIES[family]
     layers = layers or spec.get("layers", 2)
     heads, kv_heads, intermediate = 4, 2, intermediate or 2 * hidden
-    head_dim = spec.get("head_dim", hidden // heads)
+    head_dim = head_dim or spec.get("head_dim", hidden // heads)
     vocab = vocab or spec["vocab"]
     rng = np.random.default_rng(seed)
     gemma = spec.get("gemma")

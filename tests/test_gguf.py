@@ -550,7 +550,7 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
     }
     for name, meta, expect in [
         ("arch_klingon", {"general.architecture": "klingon"}, "unsupported GGUF architecture 'klingon'"),
-        ("arch_gemma2", {"general.architecture": "gemma2"}, "stores tensors that need rewriting"),
+        ("arch_gpt2", {"general.architecture": "gpt2"}, "stores tensors that need rewriting"),
         ("no_arch", {"general.architecture": None}, "without general.architecture"),
         ("alignment_0", {"general.alignment": 0}, "Invalid alignment: must be a non-zero power of two"),
         ("alignment_u64", {"general.alignment": gw.typed(gw.UINT64, 32)}, "general.alignment"),
@@ -571,20 +571,26 @@ def bad_files() -> dict[str, tuple[bytes, str]]:
         cases[name] = (_tiny_bytes(**meta)[0], expect)
     cfg = TinyConfig(layers=1)
     weights = tiny_weights(cfg)
-    extra = tiny_tensors(weights) + [gw.f32("rope_freqs.weight", np.ones(8, np.float32))]
-    cases["unknown_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), extra)[0], "tensor 'rope_freqs.weight' has no place")
+    # (rope_freqs.weight is no longer unknown: it is Llama 3.1's rope scaling, read into the config.)
+    extra = tiny_tensors(weights) + [gw.f32("token_types.weight", np.ones(8, np.float32))]
+    cases["unknown_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), extra)[0], "tensor 'token_types.weight' has no place")
+    not_llama3 = tiny_tensors(weights) + [gw.f32("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32)[::-1])]
+    cases["rope_freqs_not_llama3"] = (
+        gw.gguf_bytes(tiny_metadata(cfg), not_llama3)[0],
+        "its rope_freqs factors are not Llama 3's rope scaling",
+    )
     fewer = [t for t in tiny_tensors(weights) if t.name != "blk.0.ffn_up.weight"]
     cases["missing_tensor"] = (gw.gguf_bytes(tiny_metadata(cfg), fewer)[0], "missing tensor 'blk.0.ffn_up.weight'")
     norm_q8 = [
         gw.q8_0(t.name, np.ones(64, np.float32)) if t.name == "output_norm.weight" else t for t in tiny_tensors(weights)
     ]
-    whole_q4_k = [
-        gw.Tensor(t.name, gw.Q4_K, (256,), bytes(144)) if t.name == "output_norm.weight" else t
-        for t in tiny_tensors(weights)
+    # Ternary blocks (TQ2_0: 256 values in 66 bytes): no MLX affine form, refused by type.
+    whole_tq2 = [
+        gw.Tensor(t.name, 35, (256,), bytes(66)) if t.name == "output_norm.weight" else t for t in tiny_tensors(weights)
     ]
-    cases["type_q4_k"] = (
-        gw.gguf_bytes(tiny_metadata(cfg), whole_q4_k)[0],
-        "has type Q4_K, which mlx-notebook cannot read; use a F16, Q8_0",
+    cases["type_tq2_0"] = (
+        gw.gguf_bytes(tiny_metadata(cfg), whole_tq2)[0],
+        "has type TQ2_0, which mlx-notebook cannot read; use a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or F16 file",
     )
     cases["quantized_norm"] = (
         gw.gguf_bytes(tiny_metadata(cfg), norm_q8)[0],
@@ -626,6 +632,7 @@ def test_valid_tiny_file_passes(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent("""
     import sys, mlx.core as mx
     from mlx_notebook.loading import gguf
+    from mlx_notebook.loading.gguf_quants import MLX_READS
     from mlx_notebook.errors import ModelFormatError
     outcome = {}
     for path in sys.argv[2:]:
@@ -633,8 +640,12 @@ _CHILD = textwrap.dedent("""
             if sys.argv[1] == "convert":
                 gguf.convert_gguf(path, path + ".out")
             else:
-                gguf.check_gguf(path)
-                mx.load(path)
+                info = gguf.check_gguf(path)
+                # mx.load only ever sees files of its own types; the rest goes block by block.
+                if all(t.type_name in MLX_READS for t in info.tensors.values()):
+                    mx.load(path)
+                else:
+                    gguf.convert_gguf(path, path + ".out")
             outcome[path] = "ok"
         except ModelFormatError:
             outcome[path] = "rejected"
