@@ -14,7 +14,10 @@ tokenizer (``testkit.real_tokenizer``: Qwen3's 151,936 tokens, Llama 3's
   coverage table);
 * ``mask_ms``: the time to compute one token's mask (a bitmask of the vocabulary),
   walking the tokens of a valid instance of the schema: mean, p50, p99, max;
-* ``rss_mb``: the process's resident memory growth over setup plus all compiles.
+* ``rss_mb``: the process's resident memory growth over setup plus all compiles;
+* ``setup_gil_ms``: the longest the setup held the GIL (a stop waits that long);
+  for llguidance also ``from_json_s`` / ``from_json_gil_ms``, its tokenizer built from
+  the folder's ``tokenizer.json`` as mlx-notebook does.
 
 Prints a table per tokenizer; the JSON keeps every figure.
 """
@@ -240,9 +243,23 @@ def run_one(library: str, tokenizer: str, folder: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(folder))
+    from benchmarks.bench import GilSampler
+
     base = rss_mb()
+    gil = GilSampler()
+    t0 = time.perf_counter()
     lib = _Library(library, hf)
+    setup_gil_ms = gil.longest_ms(t0, time.perf_counter())
     out: dict[str, Any] = {"library": library, "tokenizer": tokenizer, "vocab": lib.vocab, "setup_s": lib.setup_s}
+    out["setup_gil_ms"] = setup_gil_ms
+    if library == "llguidance":
+        # What mlx-notebook does: the model folder's tokenizer.json read directly.
+        import llguidance
+
+        t0 = time.perf_counter()
+        llguidance.LLTokenizer((folder / "tokenizer.json").read_text(encoding="utf-8"), eos_token=hf.eos_token_id)
+        t1 = time.perf_counter()
+        out["from_json_s"], out["from_json_gil_ms"] = t1 - t0, gil.longest_ms(t0, t1)
     compiled: dict[str, Any] = {}
     compile_s: dict[str, float | str] = {}
     for name, schema in SCHEMAS.items():
@@ -269,6 +286,7 @@ def run_one(library: str, tokenizer: str, folder: Path) -> dict[str, Any]:
             "max_ms": 1e3 * times[-1],
         }
     out["mask_ms"] = masks
+    gil.close()
     return out
 
 
@@ -284,6 +302,7 @@ def report(results: list[dict[str, Any]]) -> None:
         print(f"\n== {tokenizer} ({rows[0]['vocab']:,} tokens) ==")
         print(f"{'':28}" + "".join(f"{r['library']:>16}" for r in rows))
         print(f"{'setup (tokenizer)':28}" + "".join(f"{r['setup_s']:>14.2f} s" for r in rows))
+        print(f"{'longest GIL hold in setup':28}" + "".join(f"{r['setup_gil_ms']:>13.0f} ms" for r in rows))
         print(f"{'memory growth':28}" + "".join(f"{r['rss_mb']:>13.0f} MB" for r in rows))
         for walk in WALKS:
             for key in ("mean_ms", "p99_ms", "max_ms"):
