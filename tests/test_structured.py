@@ -214,3 +214,25 @@ def test_a_real_size_vocabulary_is_masked_and_resumes_exactly(worker, qwen3_mode
     gen.resume()
     gen.result(timeout=120)
     assert gen.tokens == solo.tokens and gen.parsed == solo.parsed
+
+
+# -- the notebook's side, without a kernel ---------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_map_over_a_dataframe_reads_its_rows_and_flags_resolve():
+    import pandas as pd
+
+    from mlx_notebook.notebook.map_inputs import map_prompts
+    from mlx_notebook.notebook.structured import choices_from, schema_from
+
+    df = pd.DataFrame({"a": ["x", "y"], "n": [1, 2]})
+    assert map_prompts("{item.a}-{item[n]}", "df", {"df": df}) == ["x-1", "y-2"]
+    with pytest.raises(InvalidArgumentError, match="empty DataFrame"):
+        map_prompts("{item.a}", "df", {"df": df.iloc[:0]})
+    assert schema_from("Place", {"Place": Place}) is Place
+    assert schema_from('{"type": "integer"}', {}) == {"type": "integer"}
+    with pytest.raises(InvalidArgumentError, match="no variable 'Nope'"):
+        schema_from("Nope", {})
+    assert choices_from(" yes, no ,maybe", {}) == ["yes", "no", "maybe"]
+    assert choices_from("labels", {"labels": ["a", "b"]}) == ["a", "b"]
