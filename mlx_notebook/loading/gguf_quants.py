@@ -133,9 +133,10 @@ def affine_rows(raw: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarr
     import gguf
 
     target = TARGETS[type_name]
-    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(raw.shape[0], columns)
-    groups = values.reshape(raw.shape[0], -1, GROUP_SIZE)
+    # A corrupt block's inf/nan scale is reported below as one error, not as numpy warnings.
     with np.errstate(all="ignore"):
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(raw.shape[0], columns)
+        groups = values.reshape(raw.shape[0], -1, GROUP_SIZE)
         if not np.isfinite(values).all():
             return None
         fields = _group_fields(raw, type_name) if target.exact else None
