@@ -9,9 +9,8 @@ comes from ``KernelManager.interrupt_kernel()``.
 from __future__ import annotations
 
 import pytest
-from conftest import has_default_model
 
-from testkit.kernel_helpers import KernelSession, Reply, view, wait_decoding, wait_state
+from testkit.kernel_helpers import KernelSession, Reply, start_kernel, view, wait_decoding, wait_state
 
 FINAL = ("stopped", "done", "failed")
 
@@ -19,15 +18,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def kernel(tiny_model: str):
-    session = KernelSession()
-    model = "default" if has_default_model() else tiny_model
+def kernel(model_name: str):
     # The plain-text widget: these tests read its <pre>.
-    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model!r}", "%config MLXGen.format = 'text'"):
-        reply = session.execute(code)
-        assert reply.ok, reply.content
-    yield session
-    session.close()
+    with start_kernel(model_name, text=True) as session:
+        yield session
 
 
 def turn(kernel: KernelSession, name: str, text: str, flags: str = "-n 8 --wait") -> Reply:
@@ -144,3 +138,51 @@ def test_sampling_flags_apply_to_one_turn(kernel: KernelSession) -> None:
     bad = kernel.execute("%%mlxchat cs --logit-bias '{1:'\nAgain?")
     assert bad.content["status"] == "error" and "--logit-bias must be JSON like" in bad.stream("stderr")
     assert kernel.eval("len(cs.messages)") == 4
+
+
+def test_sampling_and_budget_flags_apply_to_one_turn_as_the_api_does(kernel: KernelSession) -> None:
+    turn(kernel, "ct", "Name a river.", "-n 8 --wait -t 0.8 --seed 3 --top-p 0.9 --budget 0.05")
+    request = "(ct.generation.request.temperature, ct.generation.request.seed, ct.generation.request.top_p, ct.generation.request.stop_budget)"
+    assert kernel.eval(request) == (0.8, 3, 0.9, 0.05)
+    # The seeded turn is the one the API's Chat gives with the same options.
+    same = kernel.eval(
+        "__import__('mlx_notebook').Chat(ct.model, ct.system).send('Name a river.', max_tokens=8, temperature=0.8, "
+        "seed=3, top_p=0.9).result(120) == ct.messages[-1]['content']"
+    )
+    assert same is True
+    # The next turn is back on the config's options: those a %%mlxgen cell without flags gets.
+    turn(kernel, "ct", "Another one?", "-n 4 --wait")
+    assert kernel.execute("%%mlxgen -n 2 --wait --plain -o no_flags\nHi").ok
+    back = "(r.seed, r.top_p, r.temperature, r.stop_budget)"
+    config = kernel.eval(back.replace("r.", "no_flags.request."))
+    assert kernel.eval(back.replace("r.", "ct.generation.request.")) == config
+    assert config[0] != 3 and config[1] != 0.9 and config[3] != 0.05  # the flags above were not the defaults
+
+
+def test_format_and_plain_flags_pick_the_display_of_one_turn(kernel: KernelSession) -> None:
+    # This kernel's config is the plain-text widget; --format markdown gives Markdown blocks for one turn.
+    shown = view(kernel, turn(kernel, "cf", "Name a river.", "-n 6 --wait --format markdown").msg_id)
+    assert "blocks" in shown and shown["text"] == kernel.eval("cf.messages[-1]['content']"), shown
+    shown = view(kernel, turn(kernel, "cf", "Another one?", "-n 6 --wait").msg_id)
+    assert "blocks" not in shown and "empty_note" in shown, shown  # the <pre> widget again
+    plain = turn(kernel, "cf", "And a third?", "-n 6 --wait --plain")
+    assert not kernel.widgets(plain.msg_id), "--plain opened widgets"
+    bundles = [m["content"]["data"] for m in plain.outputs if m["msg_type"] in ("display_data", "update_display_data")]
+    assert bundles and all("application/vnd.jupyter.widget-view+json" not in b for b in bundles), bundles
+    assert bundles[-1]["text/plain"].startswith(kernel.eval("cf.messages[-1]['content']"))
+
+
+def test_drop_stopped_makes_a_chat_that_drops_a_stopped_turn(kernel: KernelSession) -> None:
+    turn(kernel, "cd", "Name a river.", "-n 4 --wait --drop-stopped")
+    assert kernel.eval("(cd.keep_stopped, len(cd.messages))") == (False, 2)
+    before = kernel.eval("cd.messages")
+    reply = turn(kernel, "cd", "Write a long story about a river.", "-n 400")
+    wait_decoding(kernel, reply.msg_id)
+    kernel.click(view(kernel, reply.msg_id)["stop"][0])
+    assert wait_state(kernel, reply.msg_id, FINAL, timeout=60) == "stopped"
+    assert kernel.eval("(cd.generation.wait(30), cd.generation.state, cd.generation.tokens != [])") == (
+        True,
+        "stopped",
+        True,
+    )
+    assert kernel.eval("cd.messages") == before  # the stopped turn is gone, question and all
