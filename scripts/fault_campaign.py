@@ -49,9 +49,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The batched rounds need batched decode, off by default on the CPU (loading/policy.py);
-# the kernels the campaign starts inherit this.
-os.environ.setdefault("MLX_NOTEBOOK_BATCH", "1")
 
 from testkit.fault_rounds import (
     Campaign,

@@ -9,9 +9,6 @@ import pytest
 
 # Models come from local files only; a test that reaches for the hub must fail.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Batched decode is off by default on the CPU (loading/policy.batch_decode); the
-# tests run on the CPU and must exercise it (kernels and servers inherit this).
-os.environ.setdefault("MLX_NOTEBOOK_BATCH", "1")
 
 import mlx_notebook
 from testkit.tiny_model import make_tiny_model
