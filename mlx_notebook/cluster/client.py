@@ -540,10 +540,15 @@ def _send_now(sock: Any, message: Message) -> None:
         log.debug("rank 0 is not connected; dropped %s", message.TYPE)
 
 
+# Stats the kernel keeps itself: the stop's latency (from its own clock) and the
+# reasoning split (the kernel's reporter splits; rank 0's sink does not).
+_COUNTED_HERE = ("stop_latency_s", "reasoning_tokens", "reasoning_s")
+
+
 def _update_stats(stats: GenerationStats, values: dict[str, Any]) -> None:
     known = {f.name for f in fields(stats)}
     for key, value in values.items():
-        if key not in known or key in ("stop_latency_s",):
+        if key not in known or key in _COUNTED_HERE:
             continue
         if key == "finish_reason":
             value = FinishReason(value) if value is not None else None
