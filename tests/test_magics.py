@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
+from IPython.testing import globalipapp
 from traitlets import TraitError
 
 import mlx_notebook
@@ -43,7 +43,9 @@ PROMPT = "Once upon a time the quick brown fox"
 
 @pytest.fixture(scope="module")
 def ip() -> Any:
-    return get_ipython()
+    # Through the module: its first call starts the shell and replaces the module's get_ipython;
+    # a name imported before that (at collection) keeps the starter, which returns None once started.
+    return globalipapp.get_ipython()
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from IPython.testing.globalipapp import get_ipython
+from IPython.testing import globalipapp
 
 import mlx_notebook
 from mlx_notebook.generation.request import option_names
@@ -45,7 +45,9 @@ TYPED = {
 
 @pytest.fixture(scope="module")
 def ip() -> Any:
-    return get_ipython()
+    # Through the module: its first call starts the shell and replaces the module's get_ipython;
+    # a name imported before that (at collection) keeps the starter, which returns None once started.
+    return globalipapp.get_ipython()
 
 
 @pytest.fixture()
