@@ -360,6 +360,7 @@ def run_one(loaded: LoadedModel, job: Job, group: Any, inbox: Inbox | None, back
     if inbox is not None:
         inbox.start(job.id, token)
     try:
+        sink.set_prompt(loaded.tokenizer, job.prompt)  # the kernel splits reasoning with what this says
         run_job(loaded, job, pace=pace, sink=sink)
         mx.synchronize()
         sink.finish(State.DONE)

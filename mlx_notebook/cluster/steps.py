@@ -17,7 +17,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -31,13 +31,6 @@ from .agreement import AgreedPace
 from .protocol import Job
 
 
-@runtime_checkable
-class _PromptAware(Protocol):
-    """A sink that tells the kernel about the prompt (rank 0's)."""
-
-    def set_prompt(self, tokenizer: Any, prompt: list[int]) -> None: ...
-
-
 def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> FinishReason:
     """Prefill ``job.prompt`` and decode; every rank calls this with the same job.
 
@@ -49,8 +42,6 @@ def run_job(loaded: LoadedModel, job: Job, *, pace: AgreedPace, sink: Sink) -> F
     start = time.perf_counter()
     sink.set_state(State.PREFILLING)
     sink.stats.prompt_tokens = len(job.prompt)
-    if isinstance(sink, _PromptAware):
-        sink.set_prompt(loaded.tokenizer, job.prompt)
     cache = make_prompt_cache(loaded.model)
     prefill(loaded, cache, job.prompt, pace=pace, sink=sink)
     return decode(loaded, cache, job, pace=pace, sink=sink, prefill_start=start)
