@@ -16,7 +16,7 @@ Like mlx-lm, the next step's graph is built and queued on the device while
 Python reads and reports the current tokens. Whether it is queued *before* the
 tokens are read (two steps in flight) depends on the stop budget: a stop that
 lands while the worker waits for a token also waits for the step queued
-behind it, so that happens only while two steps fit ``DECODE_BUDGET_SHARE`` of
+behind it, so that happens only while two steps fit ``budget.DECODE_PIPELINE_SHARE`` of
 the tightest budget in the batch. Otherwise the next step is queued as soon
 as the tokens are read, unless a row has a stop or pause waiting or a
 sequence waits to join: then rows change first. While a constrained row
@@ -47,6 +47,7 @@ from ..control import Pace
 from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
+from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from .constraint_matcher import RowMatcher, ll_tokenizer, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .request import GenerationRequest
@@ -54,12 +55,6 @@ from .sampling import Sampler, make_sampler
 from .states import State
 from .stats import FinishReason
 
-# Decode keeps a second step queued only while two steps fit this share of the
-# budget: a stop that lands while the worker waits for one token also waits
-# for the step queued behind it.
-DECODE_BUDGET_SHARE = 0.8
-# Weight of the newest decode step in the running step-time average.
-STEP_EMA = 0.2
 # With rows that could leave early, the worker sleeps (awake to requests) for
 # this share of a step before it blocks on reading the step's tokens.
 WAKE_SHARE = 0.85
@@ -611,7 +606,7 @@ class DecodeBatch:
         step = seconds if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * seconds
         self.step_s = step
         budget = min(r.pace.budget_s for r in self.rows)
-        self.in_flight = 2 if 2 * step <= DECODE_BUDGET_SHARE * budget else 1
+        self.in_flight = 2 if 2 * step <= DECODE_PIPELINE_SHARE * budget else 1
         for row in self.rows:
             stats = row.sink.stats
             stats.decode_step_s = step

@@ -31,7 +31,7 @@ from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
-from .budget import PREFILL_SHARE
+from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
 from .prefill import prefill
@@ -264,7 +264,7 @@ class Session:
         if batch is None or not self._streaming():
             return
         budget = min(r.pace.budget_s for r in batch.rows)
-        if time.perf_counter() - batch.last_step_at >= budget / 2:
+        if time.perf_counter() - batch.last_step_at >= budget * OTHERS_STEP_SHARE:
             self._step()
 
     def _while_paused(self) -> None:
