@@ -216,6 +216,32 @@ def test_a_real_size_vocabulary_is_masked_and_resumes_exactly(worker, qwen3_mode
     assert gen.tokens == solo.tokens and gen.parsed == solo.parsed
 
 
+# -- a reasoning model: the grammar holds the answer, after the reasoning --------------------------
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory) -> str:
+    from testkit.thinking_model import make_thinking_model
+
+    return str(make_thinking_model(tmp_path_factory.mktemp("r1") / "model", template="r1"))
+
+
+def test_a_reasoning_model_thinks_freely_then_answers_in_the_grammar(worker, r1):
+    # r1's template opens the block in the prompt; the budget closes it after 5 tokens.
+    options = dict(choices=["yes", "no"], thinking_budget=5, max_tokens=30, **SAMPLED)
+    solo = run(worker, r1, PROMPTS[0], **options)
+    assert solo.stats.reasoning_tokens == 5 and solo.reasoning.strip()
+    assert solo.parsed in ("yes", "no") and solo.text == solo.parsed
+    assert solo.stats.finish_reason == "grammar"
+    gen = mlx_notebook.generate(PROMPTS[0], model=r1, worker=worker, **options)
+    wait_tokens(gen, 3)  # inside the reasoning
+    gen.pause()
+    assert_stays_paused(gen, lambda: other_generation(worker, r1))
+    gen.resume()
+    gen.result(timeout=120)
+    assert gen.tokens == solo.tokens and gen.parsed == solo.parsed
+
+
 # -- the notebook's side, without a kernel ---------------------------------------------------------
 
 

@@ -8,9 +8,11 @@ inside the step's graph (:func:`mask_logits`). The matcher's state is a
 function of the tokens it was fed: a parked row keeps its matcher, so resume
 continues from exactly the state it left.
 
-llguidance's view of a model's tokenizer (:func:`ll_tokenizer`) is built once
-per loaded model, from the model folder's ``tokenizer.json`` (the in-process
-tokenizer may be a proxy to a child process: :mod:`..loading.tokenizer`).
+llguidance itself runs in a child process (:mod:`.grammar_process`), one per
+loaded model (:func:`ll_tokenizer`), which builds its view of the tokenizer
+from the model folder's ``tokenizer.json``: that build holds the GIL for
+0.6-1.1 s on a 152k vocabulary, so in this process it delayed a stop that
+long. While it builds, the row that needs it waits at its pace's checkpoints.
 
 This module never imports IPython or ipywidgets.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -26,80 +29,144 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .constraints import Constraint, llguidance_module
+from .grammar_process import GrammarProcess
+from .reasoning import ThinkTags, TokenChannels, opens_thinking, think_tags
 
-# One llguidance tokenizer per loaded model (keyed by the model's tokenizer object).
-# Building one holds the GIL throughout (measured on this 2-core CPU: 0.75 s for the
-# default model's 49,152 tokens, 2.3 s for Qwen3's 151,936, the same with slices off):
-# a stop pressed meanwhile waits that long, once per model. Open: issue 22.
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_TOKENIZERS_LOCK = threading.Lock()
+# One llguidance process per loaded model (keyed by the model's tokenizer object).
+_PROCESSES: weakref.WeakKeyDictionary[Any, GrammarProcess] = weakref.WeakKeyDictionary()
+_PROCESSES_LOCK = threading.Lock()
 
 
-def ll_tokenizer(loaded: Any) -> Any:
-    """llguidance's tokenizer for ``loaded`` (a ``LoadedModel``), built on first use."""
+def ll_tokenizer(loaded: Any, wait: Callable[[], None] | None = None) -> GrammarProcess:
+    """The llguidance process of ``loaded`` (a ``LoadedModel``), started on first use, its tokenizer built.
+
+    Args:
+        loaded: The model.
+        wait: Called at least every 5 ms while the tokenizer builds (a pace's
+          checkpoint: it raises on a stop, blocks on a pause). Default: ``None``.
+
+    Raises:
+        InvalidArgumentError: The model has no fast tokenizer llguidance can read.
+    """
     tokenizer = loaded.tokenizer
-    with _TOKENIZERS_LOCK:
-        found = _TOKENIZERS.get(tokenizer)
-    if found is not None:
-        return found
-    llg = llguidance_module()
-    eos = sorted(set(tokenizer.eos_token_ids))
+    with _PROCESSES_LOCK:
+        process = _PROCESSES.get(tokenizer)
+        if process is None:
+            llguidance_module()  # a missing extra is one line here, not a child's traceback
+            process = GrammarProcess(_tokenizer_source(loaded), sorted(set(tokenizer.eos_token_ids)))
+            _PROCESSES[tokenizer] = process
+    try:
+        process.wait_ready(wait)
+    except RuntimeError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    return process
+
+
+def _tokenizer_source(loaded: Any) -> str:
+    """What the child builds llguidance's tokenizer from: the folder's ``tokenizer.json``, else its text."""
     folder = getattr(loaded, "folder", None)
     source = folder / "tokenizer.json" if folder is not None else None
     if source is not None and source.exists():
-        built = llg.LLTokenizer(source.read_text(encoding="utf-8"), eos_token=eos)
-    else:
-        import llguidance.hf
+        return str(source)
+    # No folder file: a Hugging Face fast tokenizer in this process, serialized as
+    # llguidance.hf.from_tokenizer does (added tokens included, no padding or truncation).
+    from copy import copy
 
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        try:
-            built = llguidance.hf.from_tokenizer(hf, eos_token=eos)
-        except ValueError:
-            raise InvalidArgumentError(
-                "structured output needs a fast Hugging Face tokenizer (a tokenizer.json in the model folder)"
-            ) from None
-    with _TOKENIZERS_LOCK:
-        _TOKENIZERS[tokenizer] = built
-    return built
+    hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        raise InvalidArgumentError(
+            "structured output needs a fast Hugging Face tokenizer (a tokenizer.json in the model folder)"
+        )
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return str(backend.to_str())
+
+
+# Whitespace tokens allowed between a reasoning block's end tag and the answer (a weak
+# model could otherwise write newlines until max_tokens).
+SPACES_AFTER_REASONING = 4
 
 
 class RowMatcher:
     """One row's grammar state and its next-token mask.
 
+    With a reasoning model the grammar holds the answer, after the reasoning:
+    while the row thinks every token may come (its logits processors, such as
+    the thinking budget, still apply) and nothing is fed to the grammar; after
+    the end tag whitespace may come (the template's ``\\n\\n``) until the answer
+    starts. The phase follows from the tokens fed, so a parked row resumes exactly.
+
     Args:
         constraint: What the row's answer must be.
-        tokenizer: llguidance's tokenizer of the model (:func:`ll_tokenizer`).
+        tokenizer: The model's llguidance process (:func:`ll_tokenizer`).
+        tags: The model's reasoning tags (:func:`.reasoning.think_tags`). Default: ``None``.
+        reasoning: Whether the prompt opened a reasoning block. Default: ``False``.
     """
 
-    def __init__(self, constraint: Constraint, tokenizer: Any) -> None:
-        llg = llguidance_module()
-        import llguidance.numpy
-
-        self._fill = llguidance.numpy.fill_next_token_bitmask
+    def __init__(
+        self,
+        constraint: Constraint,
+        tokenizer: GrammarProcess,
+        *,
+        tags: ThinkTags | None = None,
+        reasoning: bool = False,
+    ) -> None:
         self.constraint = constraint
         self.vocab = tokenizer.vocab_size
-        self.matcher = llg.LLMatcher(tokenizer, constraint.grammar)
-        self._check()
-        self._bits = llguidance.numpy.allocate_token_bitmask(1, self.vocab)
+        self._process = tokenizer
+        self._row = tokenizer.new_matcher(constraint.grammar)
+        weakref.finalize(self, tokenizer.free, self._row)
+        self._channel = TokenChannels(tags, reasoning) if tags is not None and reasoning else None
+        self._after_reasoning = False  # an end tag came, the answer not yet
+        self._spaces = 0  # whitespace tokens since the end tag
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise RuntimeError(f"structured output: {self.matcher.get_error()}")
+    @classmethod
+    def for_row(cls, constraint: Constraint, loaded: Any, prompt: list[int], wait: Callable[[], None]) -> RowMatcher:
+        """The matcher of a row of ``loaded`` whose prompt is ``prompt`` (``wait``: see :func:`ll_tokenizer`)."""
+        tags = think_tags(loaded.tokenizer)
+        process = ll_tokenizer(loaded, wait=wait)
+        return cls(constraint, process, tags=tags, reasoning=opens_thinking(tags, prompt))
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the row is inside its reasoning block (the grammar waits)."""
+        return self._channel is not None and self._channel.reasoning
 
     @property
     def done(self) -> bool:
         """Whether the grammar is complete: no token but EOS may follow."""
-        return bool(self.matcher.is_stopped())
+        return not self.thinking and self._process.done(self._row)
 
     def advance(self, token: int) -> None:
-        """Feed the row's read token (the mask allowed it, so this never fails but on a bug)."""
-        self.matcher.consume_token(token)
-        self._check()
+        """Feed the row's read token (the mask allowed it, so this never fails but on a bug).
+
+        Returns at once: the next mask is computed meanwhile, in the child.
+        """
+        if self._channel is not None and self._channel.reasoning:
+            self._channel.feed(token)
+            self._after_reasoning = not self._channel.reasoning
+            return
+        if self._after_reasoning and self._bit(self._process.whitespace, token):
+            self._spaces += 1  # what the template writes after the end tag, before the answer
+            self._after_reasoning = self._spaces < SPACES_AFTER_REASONING
+            return
+        self._after_reasoning = False
+        self._process.advance(self._row, token)
+
+    @staticmethod
+    def _bit(mask: bytes, token: int) -> bool:
+        return token // 8 < len(mask) and bool(mask[token // 8] >> (token % 8) & 1)
 
     def allowed(self, width: int) -> np.ndarray:
         """A ``bool`` vector of ``width`` (the logits' last axis): which tokens the next step may pick."""
-        self._fill(self.matcher, self._bits, 0)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        if self.thinking:
+            return np.ones(width, dtype=bool)
+        bits = np.frombuffer(self._process.mask(self._row), dtype=np.uint8)
+        if self._after_reasoning:
+            bits = bits | np.frombuffer(self._process.whitespace, dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool)
         if allowed.shape[0] >= width:
             return allowed[:width]
         # The model's embedding may be wider than the tokenizer: those ids are never text.
