@@ -21,6 +21,8 @@ EOS is ignored in both (so every run decodes the same number of tokens).
 
 from __future__ import annotations
 
+import mlx_notebook  # isort: skip  (before mlx: OpenBLAS must be loaded first)
+
 import argparse
 import array
 import json
@@ -34,8 +36,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-
-import mlx_notebook
 
 SYNTHETIC = {
     # Random weights in real shapes, with tokenizers of real size (testkit.real_tokenizer):

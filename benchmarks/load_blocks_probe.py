@@ -11,6 +11,8 @@ first matmul on the result.
 
 from __future__ import annotations
 
+import mlx_notebook  # noqa: F401  # isort: skip  (before mlx: OpenBLAS must be loaded first)
+
 import argparse
 import os
 import tempfile

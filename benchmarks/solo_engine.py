@@ -10,6 +10,8 @@ batch of one costs what this loop cost.
 
 from __future__ import annotations
 
+import mlx_notebook  # noqa: F401  # isort: skip  (before mlx: OpenBLAS must be loaded first)
+
 import time
 from typing import Any, cast
 
