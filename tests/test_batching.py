@@ -263,7 +263,7 @@ class _Rows:
                 loaded,
                 self.stream,
                 self._left,
-                keep=lambda tokens, cache: self.kept.append((tokens, cache)),
+                keep=lambda tokens, cache, kv: self.kept.append((tokens, cache)),
             )
             self.gens = []
             for text in prompts:

@@ -48,8 +48,9 @@ from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
-from .constraint_matcher import RowMatcher, ll_tokenizer, mask_logits
+from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
+from .kv_settings import KVSettings, cache_nbytes
 from .request import GenerationRequest
 from .sampling import Sampler, make_sampler
 from .states import State
@@ -86,6 +87,7 @@ class Row:
     start: float
     prefill_start: float
     sample: Sampler = field(init=False)
+    kv: KVSettings = field(init=False)
     eos: set[int] = field(default_factory=set)
     detokenizer: Any = None
     # Read tokens, EOS included: with the prompt, what the cache holds.
@@ -104,6 +106,7 @@ class Row:
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
+        self.kv = KVSettings.of(self.request)
 
     def context(self, pending: mx.array | None) -> mx.array:
         """The last tokens before the one a step predicts, for the logits processors.
@@ -164,7 +167,7 @@ class DecodeBatch:
         loaded: LoadedModel,
         stream: mx.Stream,
         on_leave: Callable[[Row, Cache | None, BaseException | None], None],
-        keep: Callable[[list[int], Cache], None] | None = None,
+        keep: Callable[[list[int], Cache, KVSettings], None] | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -206,9 +209,12 @@ class DecodeBatch:
         # The reasoning channel starts open when the prompt opened it; a thinking budget reads the row's tokens.
         row.sink.set_prompt(row.prompt)
         row.sample.follow(tokenizer, row.prompt, row.tokens)
+        row.sink.stats.kv = row.kv.describe()
         constraint = row.request.constraint
         if constraint is not None and row.matcher is None:
-            row.matcher = RowMatcher(constraint, ll_tokenizer(self.loaded))
+            # The model's first constrained row waits here (at its checkpoints) for llguidance's tokenizer;
+            # with a reasoning model the grammar holds the answer after the reasoning.
+            row.matcher = RowMatcher.for_row(constraint, self.loaded, row.prompt, wait=row.pace.checkpoint)
         # A stop wakes the worker while it waits for a step (see _wait).
         row.pace.token.watchers.append(self._poke)
         self.ready.append(row)
@@ -392,6 +398,7 @@ class DecodeBatch:
             stats.generation_tps = (n - 1) / max(active, 1e-9)
         if n % 32 == 1:
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            stats.kv_bytes = self._row_kv_bytes()
         self._emit(row, [tok], row.detokenizer.last_segment)
         if row.matcher is not None and row.matcher.done and row.finish is None:
             row.finish = FinishReason.GRAMMAR  # the value closed: nothing but EOS may follow
@@ -457,7 +464,7 @@ class DecodeBatch:
             if single is not self._cache:
                 mx.async_eval(batch_cache.state_arrays(single))
             if self.keep is not None:
-                self.keep(row.fed_tokens(), single)
+                self.keep(row.fed_tokens(), single, row.kv)
             return
         token = row.pace.token
         if row.finish is None and token.pause_requested and not token.cancelled:
@@ -507,6 +514,8 @@ class DecodeBatch:
         stats = row.sink.stats
         stats.finish_reason = finish
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if row in self.rows:
+            stats.kv_bytes = self._row_kv_bytes()
 
     def _keep(self, keep: list[int]) -> None:
         rows = [self.rows[i] for i in keep]
@@ -563,6 +572,10 @@ class DecodeBatch:
         pending = isinstance(inputs, mx.array)
         if not isinstance(inputs, mx.array):
             inputs = mx.array(inputs, dtype=mx.uint32)
+        if len(self.rows) == 1:
+            # Before the call, not after as mlx-lm does: the same cache at every
+            # call, and a step built ahead and undone on pause converted nothing.
+            self.rows[0].kv.quantize(self._cache)
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
         if any(r.sample.processors for r in self.rows):
             # mlx-lm's logits processors (bias, repetition penalty), row by row, on the row's context.
@@ -600,6 +613,10 @@ class DecodeBatch:
             top = mx.argpartition(-row_lp, k - 1)[:k]
             kept.append((row_lp[tokens[i]], top, row_lp[top]))
         return _Step(tokens, kept)
+
+    def _row_kv_bytes(self) -> int:
+        """Bytes of KV cache per row now (a batch's padded cache shared out evenly)."""
+        return cache_nbytes(self._cache) // max(1, len(self.rows))
 
     def _measure(self, seconds: float) -> None:
         """Update the step time and choose how many steps to keep in flight."""

@@ -28,9 +28,13 @@ from ..control import Pace
 from ..loading.store import LoadedModel
 from .budget import PREFILL_SHARE
 from .chunks import ChunkPlanner, builds_kernels_per_shape
+from .kv_settings import KVSettings
 from .pieces import prefill_runner
 from .states import State
 from .stats import GenerationStats
+
+# mlx-lm's prefill_step_size: the chunks a quantized or rotating cache is fed in.
+ROTATING_PREFILL_CHUNK = 2048
 
 
 class Sink(Protocol):
@@ -46,11 +50,20 @@ class Sink(Protocol):
 
 
 def prefill(
-    loaded: LoadedModel, cache: list[Any], prompt: list[int], *, pace: Pace, sink: Sink, start: int = 0
+    loaded: LoadedModel,
+    cache: list[Any],
+    prompt: list[int],
+    *,
+    pace: Pace,
+    sink: Sink,
+    start: int = 0,
+    kv: KVSettings | None = None,
 ) -> None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
     ``start`` prompt tokens are in ``cache`` already (a prompt-cache hit).
+    With ``kv`` quantized settings the cache is quantized before each chunk
+    once it is due (:meth:`~.kv_settings.KVSettings.quantize`).
 
     A :class:`~.chunks.ChunkPlanner` proposes each chunk from the measured cost
     of the recent ones so that one piece of work takes about ``PREFILL_SHARE *
@@ -69,12 +82,21 @@ def prefill(
     sink.progress("prefill", done, total)
 
     def agreed_chunk() -> int:
+        if kv is not None and not kv.plain:
+            # What a rotating cache keeps depends on the chunks it is fed in
+            # (each chunk's tokens see the window before it, then it wraps),
+            # and a quantized one is converted between chunks: fixed chunks,
+            # mlx-lm's, make the tokens repeatable (a timed plan differs run to
+            # run). Layer groups still bound the stop.
+            return pace.agree(min(ROTATING_PREFILL_CHUNK, to_process - done))
         target = pace.budget_s * PREFILL_SHARE * runner.chunk_budget_factor
         return pace.agree(planner.next_chunk(target, done, to_process - done))
 
     if done < to_process:
         n = agreed_chunk()
         while True:
+            if kv is not None:
+                kv.quantize(cache)
             t0 = time.perf_counter()
             runner.run(ids[None, done : done + n])
             planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)

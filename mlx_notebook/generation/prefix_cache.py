@@ -27,11 +27,15 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from ..control import Pace
-from .batch_cache import Cache, batchable, length
+from .batch_cache import Cache, length
+from .kv_settings import KVSettings
+
+PLAIN = KVSettings()
 
 GB = 1e9
 # Default bound of each model's prompt cache. A 4k-token prompt of an 8B
@@ -44,6 +48,11 @@ class _Entry:
     tokens: tuple[int, ...]
     cache: Cache
     nbytes: int
+    kv: tuple[Any, ...]
+
+    @property
+    def key(self) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+        return (self.kv, self.tokens)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -63,7 +72,8 @@ class PromptCache:
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        # Keyed by (KV settings, tokens).
+        self._entries: OrderedDict[tuple[tuple[Any, ...], tuple[int, ...]], _Entry] = OrderedDict()
         # The worker stores and fetches; %mlxgen_models reads the size from the kernel thread.
         self._lock = threading.Lock()
 
@@ -77,8 +87,12 @@ class PromptCache:
         with self._lock:
             return len(self._entries)
 
-    def fetch(self, prompt: list[int]) -> tuple[Cache | None, int]:
+    def fetch(self, prompt: list[int], kv: KVSettings = PLAIN) -> tuple[Cache | None, int]:
         """A cache holding the longest cached prefix of ``prompt`` (at most all but its last token).
+
+        Only entries made with the same KV settings (``kv``) serve it; a
+        quantized entry serves only prefixes at least ``quantized_kv_start``
+        long (a shorter one was not quantized yet in the run that made it).
 
         Returns:
             ``(cache, n)``: a fresh cache with the first ``n`` tokens of
@@ -89,28 +103,32 @@ class PromptCache:
             best: _Entry | None = None
             best_n = 0
             for entry in self._entries.values():
+                if entry.kv != kv.key():
+                    continue
                 n = min(_common_prefix(entry.tokens, prompt), usable_max)
+                if _quantized(entry.cache) and n < kv.quantized_start:
+                    continue
                 if n > best_n:
                     best, best_n = entry, n
             if best is None:
                 return None, 0
-            self._entries.move_to_end(best.tokens)
+            self._entries.move_to_end(best.key)
         return _view(best.cache, best_n), best_n
 
-    def store(self, tokens: list[int], cache: Cache) -> None:
-        """Keep ``cache`` (no longer written by anyone), which holds ``tokens``."""
-        if self.limit_bytes <= 0 or not tokens or not batchable(cache) or length(cache) != len(tokens):
+    def store(self, tokens: list[int], cache: Cache, kv: KVSettings = PLAIN) -> None:
+        """Keep ``cache`` (no longer written by anyone), which holds ``tokens``, made with ``kv``."""
+        if self.limit_bytes <= 0 or not tokens or not storable(cache) or length(cache) != len(tokens):
             return
-        key = tuple(tokens)
+        key = (kv.key(), tuple(tokens))
         nbytes = sum(layer.nbytes for layer in cache)
         if nbytes > self.limit_bytes:
             return
         with self._lock:
-            for old in list(self._entries):
+            for old_kv, old in list(self._entries):
                 # A stored prefix of the new tokens is served by the new entry.
-                if len(old) <= len(key) and key[: len(old)] == old:
-                    del self._entries[old]
-            self._entries[key] = _Entry(key, cache, nbytes)
+                if old_kv == key[0] and len(old) <= len(key[1]) and key[1][: len(old)] == old:
+                    del self._entries[old_kv, old]
+            self._entries[key] = _Entry(key[1], cache, nbytes, key[0])
             self._evict()
 
     def set_limit(self, limit_bytes: int) -> None:
@@ -131,19 +149,45 @@ class PromptCache:
             total -= entry.nbytes
 
 
+def storable(cache: Cache) -> bool:
+    """Whether ``cache`` can be kept and served as a prefix: plain or quantized ``KVCache`` layers.
+
+    A rotating cache cannot: once it wraps, the positions it dropped are gone.
+    """
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache  # imported late: see batch_cache
+
+    return bool(cache) and all(type(layer) in (KVCache, QuantizedKVCache) for layer in cache)
+
+
+def _quantized(cache: Cache) -> bool:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    return any(type(layer) is QuantizedKVCache for layer in cache)
+
+
 def _view(cache: Cache, n: int) -> Cache:
     """New single-sequence caches over the first ``n`` positions of ``cache``."""
-    from mlx_lm.models.cache import KVCache  # imported late: see batch_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     out = []
     for layer in cache:
-        view = KVCache()
+        view: Any
+        if type(layer) is QuantizedKVCache:
+            view = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        else:
+            view = KVCache()
         if n and layer.keys is not None:
-            view.keys = layer.keys[..., :n, :]
-            view.values = layer.values[..., :n, :]
+            view.keys, view.values = (_positions(a, 0, n) for a in (layer.keys, layer.values))
             view.offset = n
         out.append(view)
     return out
+
+
+def _positions(a: Any, start: int, stop: int) -> Any:
+    """Positions ``start:stop`` (axis 2) of keys or values: an array, or a quantized triple of them."""
+    if isinstance(a, (tuple, list)):
+        return tuple(x[..., start:stop, :] for x in a)
+    return a[..., start:stop, :]
 
 
 # KVCache grows its buffers in steps of this many tokens (mlx-lm's ``KVCache.step``).
@@ -178,7 +222,7 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
         chunk = layers[i : i + group]
         for layer in chunk:
             layer.keys, layer.values = (_with_room(a, n, size) for a in (layer.keys, layer.values))
-        mx.eval([a for layer in chunk for a in (layer.keys, layer.values)])
+        mx.eval([layer.state for layer in chunk])
         took = time.perf_counter() - t0
         i += len(chunk)
         if took < piece_s / 2:
@@ -189,8 +233,10 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
             pace.checkpoint()
 
 
-def _with_room(a: mx.array, n: int, size: int) -> mx.array:
+def _with_room(a: Any, n: int, size: int) -> Any:
     """The first ``n`` positions of ``a`` (axis 2) in a new buffer of ``size`` positions."""
+    if isinstance(a, (tuple, list)):  # a quantized cache's (data, scales, biases)
+        return tuple(_with_room(x, n, size) for x in a)
     shape = list(a.shape)
     shape[2] = size - n
     return mx.concatenate([a[..., :n, :], mx.zeros(shape, a.dtype)], axis=2)
@@ -203,4 +249,4 @@ def trimmed(cache: Cache, n: int) -> Cache:
     return _view(cache, n)
 
 
-__all__ = ["DEFAULT_PROMPT_CACHE_GB", "KV_STEP", "PromptCache", "restore", "trimmed"]
+__all__ = ["DEFAULT_PROMPT_CACHE_GB", "KV_STEP", "PromptCache", "restore", "storable", "trimmed"]

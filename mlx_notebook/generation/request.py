@@ -17,6 +17,13 @@ from typing import Any, TypeGuard
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import InvalidArgumentError
 from .constraints import Constraint, check_constraint, constraint_of
+from .kv_settings import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    ROTATING_KEEP,
+)
 
 # Decode reads every weight once per step whatever the batch: on an H200 an
 # 8B model decodes 8 sequences at ~5x one's aggregate rate (issue 11), on a
@@ -67,6 +74,13 @@ class GenerationRequest:
           model class (``gen.parsed`` reads it back). Default: ``None``.
         choices: The answer is exactly one of these strings. Default: ``None``.
         regex: The answer matches this regular expression (Rust ``regex`` syntax). Default: ``None``.
+        kv_bits: Quantize the KV cache to this many bits (mlx-lm's ``kv_bits``:
+          2, 3, 4, 5, 6 or 8) once it holds ``quantized_kv_start`` tokens;
+          ``None`` keeps the model's dtype. Default: ``None``.
+        kv_group_size: Values per quantization group of the KV cache (32, 64 or 128). Default: ``64``.
+        quantized_kv_start: Tokens in the cache before it is quantized (mlx-lm's default). Default: ``5000``.
+        max_kv_size: A rotating KV cache of at most this many tokens (the first 4
+          are kept, older ones overwritten); ``None``: unbounded. Default: ``None``.
     """
 
     prompt: str | list[int] | list[dict[str, str]]
@@ -92,6 +106,10 @@ class GenerationRequest:
     schema: Any = None
     choices: list[str] | None = None
     regex: str | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    max_kv_size: int | None = None
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` with the fix for a bad field."""
@@ -101,6 +119,10 @@ class GenerationRequest:
         for name in _CHECKS:
             if name not in _CONSTRAINTS:
                 check_option(name, getattr(self, name))
+        if self.kv_bits is not None and self.max_kv_size is not None:
+            raise InvalidArgumentError(
+                "kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache): drop one"
+            )
         self.__dict__["_constraint"] = constraint_of(self.schema, self.choices, self.regex)
 
     @property
@@ -192,6 +214,11 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[int, ...]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+        raise InvalidArgumentError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
 def _check_number(
@@ -286,6 +313,10 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "thinking": _check_thinking,
     "chat_template_kwargs": _optional(_check_template_kwargs),
     "thinking_budget": _optional(lambda name, v: _check_int(name, v, minimum=0)),
+    "kv_bits": _optional(lambda name, v: _check_choice(name, v, KV_BITS)),
+    "kv_group_size": lambda name, v: _check_choice(name, v, KV_GROUP_SIZES),
+    "quantized_kv_start": lambda name, v: _check_int(name, v, minimum=0),
+    "max_kv_size": _optional(lambda name, v: _check_int(name, v, minimum=ROTATING_KEEP + 1)),
     "schema": check_constraint,
     "choices": check_constraint,
     "regex": check_constraint,

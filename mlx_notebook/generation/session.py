@@ -8,6 +8,10 @@ A prefill's checkpoints run one decode step of the batch, so the others keep
 streaming while a new prompt is read: between two of their tokens there is at
 most one prefill piece (sized to the budget) and one step.
 
+Rows of the model's own cache share one batch; a row with a quantized or
+rotating cache (``kv_bits``, ``max_kv_size``) decodes in a batch of its own,
+and the batches step in turn.
+
 Pauses: a decoding generation is parked outside the batch (the others go
 on); a prefilling one blocks in its checkpoint, which meanwhile runs the
 batch's steps. The session ends when nothing runs, joins or is parked.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -34,14 +38,17 @@ from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
+from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .prefill import prefill
-from .prefix_cache import KV_STEP, PromptCache, restore, trimmed
+from .prefix_cache import KV_STEP, PromptCache, restore, storable, trimmed
 from .prompt import prepare_prompt
 from .states import State
 from .stats import FinishReason
 from .wired import wired_limit
 
 log = logging.getLogger(__name__)
+# The key of the batch shared by rows of the model's own cache.
+_SHARED = "shared"
 # How long an idle session (every generation paused) waits before looking
 # again; requests wake it at once (the tokens' watchers).
 IDLE_WAIT_S = 0.5
@@ -106,7 +113,9 @@ class Session:
         self.on_end = on_end
         self.running: list[Reporter] = []
         self.loaded: LoadedModel | None = None
-        self.batch: DecodeBatch | None = None
+        # Decode batches: one for the rows of the model's own cache, and one per
+        # row with a quantized or rotating cache (those decode alone: kv_settings).
+        self.batches: dict[Hashable, DecodeBatch] = {}
         self.batchable = True
 
     # -- the loop -----------------------------------------------------------------
@@ -117,23 +126,23 @@ class Session:
             with contextlib.ExitStack() as stack:
                 self._start(first, stack)
                 while True:
-                    if self.batch is not None:
-                        self.batch.poll_parked()
+                    for batch in self._live_batches():
+                        batch.poll_parked()
                     job = self.jobs.take_joiner(self.key, self._fits)
                     if job is not None:
                         self._start(job, stack)
-                    elif self.batch is not None and self.batch.has_work():
+                    elif self._has_work():
                         self._step()
-                    elif self.batch is not None and self.batch.parked:
+                    elif any(b.parked for b in self.batches.values()):
                         self.jobs.wait_for_change(IDLE_WAIT_S)
                     else:
                         return
         finally:
-            # The batch refers back to the session (its on_leave): break the
+            # A batch refers back to the session (its on_leave): break the
             # cycle so that what it holds goes now, not at the next collection.
-            if self.batch is not None:
-                self.batch.close()
-            self.batch = None
+            for batch in self.batches.values():
+                batch.close()
+            self.batches = {}
 
     def _fits(self, job: Reporter) -> bool:
         """Whether ``job`` may join now: every member's ``max_batch`` (its own too) leaves room."""
@@ -145,19 +154,44 @@ class Session:
         return len(self.running) < cap
 
     def _step(self) -> None:
-        assert self.batch is not None
+        """One step of every batch with work (in turn: they share the device)."""
+        for batch in list(self.batches.values()):
+            if batch.has_work():
+                self._step_batch(batch)
+
+    def _step_batch(self, batch: DecodeBatch) -> None:
         try:
-            self.batch.step()
+            batch.step()
         except Exception as exc:  # an MLX error: every row of the batch fails
             log.debug("decode step failed", exc_info=True)
             self._synchronize_quietly()
-            rows = self.batch.all_rows()
-            self.batch.rows, self.batch.ready, self.batch.parked = [], [], []
-            self.batch._cache, self.batch._pads, self.batch._y = [], [], None
+            rows = batch.all_rows()
+            batch.rows, batch.ready, batch.parked = [], [], []
+            batch._cache, batch._pads, batch._y = [], [], None
             for row in rows:
                 self._end(row.sink, State.FAILED, exc)
-        for row in self.batch.rows:
-            row.sink.stats.batch_size = max(row.sink.stats.batch_size, len(self.batch.rows))
+        for row in batch.rows:
+            row.sink.stats.batch_size = max(row.sink.stats.batch_size, len(batch.rows))
+
+    def _has_work(self) -> bool:
+        return any(b.has_work() for b in self.batches.values())
+
+    def _live_batches(self) -> list[DecodeBatch]:
+        """The batches, after dropping the emptied ones of single rows."""
+        for key, batch in list(self.batches.items()):
+            if key != _SHARED and not len(batch):
+                batch.close()
+                del self.batches[key]
+        return list(self.batches.values())
+
+    def _batch_for(self, reporter: Reporter, kv: KVSettings) -> DecodeBatch:
+        """The batch a prefilled generation joins: the shared one, or its own (quantized, rotating)."""
+        assert self.loaded is not None
+        key: Hashable = _SHARED if kv.plain else reporter.generation.id
+        batch = self.batches.get(key)
+        if batch is None:
+            batch = self.batches[key] = DecodeBatch(self.loaded, self.stream, self._row_left, keep=self._keep_prefix)
+        return batch
 
     # -- one generation's start ------------------------------------------------------
 
@@ -193,32 +227,32 @@ class Session:
                     progress=lambda done, total, step: reporter.progress(f"load: {step}", done, total),
                 )
                 gen.stats.load_s = time.perf_counter() - start
-                if self.batch is None:
+                if self.loaded is None:
                     self._open(loaded, stack)
                 reporter.set_tokenizer(loaded.tokenizer)
                 reporter.set_state(State.PREFILLING)
                 _check_logit_bias(loaded, gen.request)
+                _check_kv_bits(loaded, gen.request)
                 prompt = prepare_prompt(loaded, gen.request)
                 gen.stats.prompt_tokens = len(prompt)
                 pace.checkpoint()
-                cache, cached = self._prompt_cache(loaded).fetch(prompt)
+                kv = KVSettings.of(gen.request)
+                cache, cached = self._prompt_cache(loaded).fetch(prompt, kv)
                 if cache is not None:
                     # Room for the rest of the prompt and the first steps: no copy in them.
                     restore(cache, len(prompt) - cached + KV_STEP, pace, piece_s=pace.budget_s * PREFILL_SHARE)
                 else:
-                    from mlx_lm.models.cache import make_prompt_cache
-
-                    cache = make_prompt_cache(loaded.model)
+                    cache = kv.make_cache(loaded.model)
                 gen.stats.cached_tokens = cached
                 prefill_start = time.perf_counter()
-                prefill(loaded, cache, prompt, pace=pace, sink=reporter, start=cached)
-            assert self.batch is not None
-            self.batch.add(Row(reporter, pace, gen.request, prompt, cache, prompt[-1], start, prefill_start))
+                prefill(loaded, cache, prompt, pace=pace, sink=reporter, start=cached, kv=kv)
+            row = Row(reporter, pace, gen.request, prompt, cache, prompt[-1], start, prefill_start)
+            self._batch_for(reporter, kv).add(row)
         except Cancelled:
             if not self._decoding():
                 self._synchronize_quietly()
             if cache is not None and self.loaded is not None:
-                self._keep_prefix(prompt, cache)
+                self._keep_prefix(prompt, cache, KVSettings.of(gen.request))
             gen.stats.stop_latency_s = gen.token.mark_stopped()
             self._end(reporter, State.STOPPED, None)
         except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
@@ -232,7 +266,6 @@ class Session:
 
         self.loaded = loaded
         self.batchable = batch_decode(loaded.model) and batch_cache.batchable(make_prompt_cache(loaded.model))
-        self.batch = DecodeBatch(loaded, self.stream, self._row_left, keep=self._keep_prefix)
         stack.enter_context(wired_limit(loaded.model, self.stream))
 
     def _prompt_cache(self, loaded: LoadedModel) -> PromptCache:
@@ -245,10 +278,10 @@ class Session:
 
     def _streaming(self) -> bool:
         """Whether rows stream tokens now (have shown their first)."""
-        return self.batch is not None and any(r.first_token_at is not None for r in self.batch.rows)
+        return any(r.first_token_at is not None for b in self.batches.values() for r in b.rows)
 
     def _decoding(self) -> bool:
-        return self.batch is not None and bool(self.batch.rows)
+        return any(b.rows for b in self.batches.values())
 
     def _between(self) -> None:
         """At a prefill piece boundary: one decode step of the others, when they need one.
@@ -260,20 +293,20 @@ class Session:
         pieces are sized to the budget, so the others' longest gap between
         two tokens stays about one budget plus one step.
         """
-        batch = self.batch
-        if batch is None or not self._streaming():
+        if not self._streaming():
             return
-        budget = min(r.pace.budget_s for r in batch.rows)
-        if time.perf_counter() - batch.last_step_at >= budget * OTHERS_STEP_SHARE:
+        batches = [b for b in self.batches.values() if b.rows]
+        budget = min(r.pace.budget_s for b in batches for r in b.rows)
+        if time.perf_counter() - min(b.last_step_at for b in batches) >= budget * OTHERS_STEP_SHARE:
             self._step()
 
     def _while_paused(self) -> None:
         """While a prefilling generation is paused: the others' steps, or a short wait."""
-        if self.batch is not None:
-            self.batch.poll_parked()
-            if self.batch.has_work():
-                self._step()
-                return
+        for batch in self._live_batches():
+            batch.poll_parked()
+        if self._has_work():
+            self._step()
+            return
         self.jobs.wait_for_change(IDLE_WAIT_S)
 
     # -- ends ---------------------------------------------------------------------------------
@@ -282,23 +315,23 @@ class Session:
         """A row left the batch for good: keep its cache, report it."""
         reporter = row.sink
         if cache is not None:
-            self._keep_prefix(row.fed_tokens(), cache)
+            self._keep_prefix(row.fed_tokens(), cache, row.kv)
         if row.finish is FinishReason.STOPPED:
             reporter.stats.stop_latency_s = row.pace.token.mark_stopped()
             self._end(reporter, State.STOPPED, None)
         else:
             self._end(reporter, State.DONE, None)
 
-    def _keep_prefix(self, tokens: list[int], cache: Cache) -> None:
-        """Store what ``cache`` holds of ``tokens`` in the model's prompt cache."""
-        if self.loaded is None or not batch_cache.batchable(cache):
+    def _keep_prefix(self, tokens: list[int], cache: Cache, kv: KVSettings) -> None:
+        """Store what ``cache`` holds of ``tokens`` in the model's prompt cache (made with ``kv``)."""
+        if self.loaded is None or not storable(cache):
             return
         offsets = {int(layer.offset) for layer in cache}
         if len(offsets) != 1:
             return  # stopped between groups of layers: the layers disagree
         n = min(offsets.pop(), len(tokens))
         if n > 0:
-            self._prompt_cache(self.loaded).store(tokens[:n], trimmed(cache, n))
+            self._prompt_cache(self.loaded).store(tokens[:n], trimmed(cache, n), kv)
 
     def _end(self, reporter: Reporter, state: State, error: BaseException | None) -> None:
         if reporter in self.running:
@@ -322,3 +355,19 @@ def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
     bad = [t for t in request.logit_bias if t >= vocab]
     if bad:
         raise InvalidArgumentError(f"logit_bias token id {bad[0]} is not in the model's vocabulary (0-{vocab - 1})")
+
+
+def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
+    """``kv_group_size`` must divide the model's head size (known only once it is loaded)."""
+    if request.kv_bits is None:
+        return
+    config = loaded.config
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)
+    if not head_dim or head_dim % request.kv_group_size == 0:
+        return
+    fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
+    fix = f"use kv_group_size={fits[-1]}" if fits else "leave kv_bits unset for this model"
+    raise InvalidArgumentError(
+        f"kv_group_size {request.kv_group_size} does not divide the model's head size {head_dim}: {fix}"
+    )

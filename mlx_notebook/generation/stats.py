@@ -58,6 +58,9 @@ class GenerationStats:
         reasoning_tokens: Generated tokens inside the reasoning block (its tags not counted).
         reasoning_s: Seconds from the first reasoning token to the end of the
           reasoning (to now while it goes on); ``None`` without reasoning.
+        kv_bytes: Bytes of its KV cache (keys, values; scales and biases when
+          quantized), updated every 32 tokens and at the end.
+        kv: Its KV settings in a few words (``"kv 8-bit"``...), ``""`` for the model's own cache.
     """
 
     prompt_tokens: int = 0
@@ -80,3 +83,5 @@ class GenerationStats:
     finish_reason: FinishReason | None = None
     reasoning_tokens: int = 0
     reasoning_s: float | None = None
+    kv_bytes: int = 0
+    kv: str = ""

@@ -34,6 +34,7 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicod
 from ..control import DEFAULT_STOP_BUDGET_S
 from ..errors import MLXNotebookError
 from ..generation.handle import Generation
+from ..generation.kv_settings import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START
 from ..generation.prefix_cache import DEFAULT_PROMPT_CACHE_GB
 from ..generation.request import DEFAULT_MAX_BATCH, GenerationRequest, check_option, option_names
 from ..generation.states import State
@@ -114,6 +115,18 @@ class MLXGen(Magics):
     ).tag(config=True)
     chat_template_kwargs = Dict(
         None, allow_none=True, help="More chat template variables (--template-arg KEY=VALUE, repeatable)."
+    ).tag(config=True)
+    kv_bits = Integer(
+        None, allow_none=True, help="Quantize the KV cache to this many bits, 4 or 8 (--kv-bits); None keeps the dtype."
+    ).tag(config=True)
+    kv_group_size = Integer(
+        DEFAULT_KV_GROUP_SIZE, help="Values per quantization group of the KV cache (--kv-group-size)."
+    ).tag(config=True)
+    quantized_kv_start = Integer(
+        DEFAULT_QUANTIZED_KV_START, help="Tokens in the KV cache before it is quantized (--quantized-kv-start)."
+    ).tag(config=True)
+    max_kv_size = Integer(
+        None, allow_none=True, help="A rotating KV cache of at most this many tokens (--max-kv-size)."
     ).tag(config=True)
     show_thinking = Bool(
         False, help="Text output (headless, --plain) shows the reasoning in full, not one line (--show-thinking)."

@@ -87,6 +87,10 @@ FLAGS: dict[str, Flag] = {
     "thinking_budget": Flag(
         ("--thinking-budget",), "close the reasoning after N tokens (MLXGen.thinking_budget)", int, "N"
     ),
+    "kv_bits": Flag(("--kv-bits",), "quantize the KV cache to N bits: 4 or 8 (MLXGen.kv_bits)", int, "N"),
+    "kv_group_size": Flag(("--kv-group-size",), "values per KV quantization group (64)", int, "N"),
+    "quantized_kv_start": Flag(("--quantized-kv-start",), "tokens before the KV cache is quantized (5000)", int, "N"),
+    "max_kv_size": Flag(("--max-kv-size",), "a rotating KV cache of N tokens (MLXGen.max_kv_size)", int, "N"),
     "schema": Flag(("--schema",), "the answer is JSON of this Pydantic class or dict (gen.parsed)", metavar="NAME"),
     "choices": Flag(("--choices",), "the answer is exactly one of these (comma-separated)", metavar="A,B,C"),
     "regex": Flag(

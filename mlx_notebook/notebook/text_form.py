@@ -37,6 +37,8 @@ def status_line(gen: Generation, ended_by: str = "") -> str:
         parts.append(f"TTFT {s.ttft_s:.2f} s")
     if s.peak_memory_gb:
         parts.append(f"peak {s.peak_memory_gb * 1000:.0f} MB")
+    if s.kv_bytes:
+        parts.append(f"KV {s.kv_bytes / 1e6:,.1f} MB" + (f" ({s.kv})" if s.kv else ""))
     if s.stop_latency_s is not None:
         parts.append(f"stopped in {s.stop_latency_s * 1000:.0f} ms")
     if gen.error is not None:
