@@ -15,7 +15,9 @@ Also the regression tests of the bugs the campaign found.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,13 +73,17 @@ def test_random_fault_rounds(campaign: Campaign) -> None:
     assert any(r.fault == "pause_resume" and r.outcome == "done" for r in results), "no pause+resume"
 
 
-@pytest.mark.kernel
-@pytest.mark.xfail(
-    strict=False,
-    reason="open finding (session 7 CI run): after a load-phase Stop that landed in prefill with the prompt "
-    "cache on, MLX active memory stayed 7.2x the baseline (4.99 MB vs 0.69 MB) beyond what the prompt "
-    "cache reports holding; not yet known whether a kept entry under-reports its bytes or a stopped row leaks",
+# Until session.py's decode-failure path unwatches its rows (the diff in issue 20's note): strict, so
+# that the fix shows as XPASS and this mark goes with it.
+_UNTIL_THE_UNWATCH_FIX = pytest.mark.xfail(
+    strict=True,
+    reason="a failed decode step leaves DecodeBatch._poke in the failed rows' token watchers: the handle pins the "
+    "batch, its session and the model with its prompt cache (4.3 MB after --unload in these rounds)",
 )
+
+
+@pytest.mark.kernel
+@_UNTIL_THE_UNWATCH_FIX
 def test_fault_rounds_with_the_prefix_cache_on(tiny_model: str) -> None:
     """The rounds above run with the prompt cache off; with it on, every rerun of a
     prompt starts from its cached prefix, and after every fault (stops, pauses,
@@ -182,6 +188,37 @@ def test_failed_generation_frees_its_kv_cache(worker, tiny_model: str) -> None:
     assert "worker traceback" in notes or not hasattr(gen.error, "add_note")
     with pytest.raises(RuntimeError, match="fault injection"):
         gen.result()
+
+
+@_UNTIL_THE_UNWATCH_FIX
+def test_failed_decode_step_leaves_nothing_holding_the_model(worker, tmp_path: Path) -> None:
+    """A failed decode step used to leave the batch in the failed rows' stop tokens.
+
+    The batch's wake-up hook stayed in each failed token's watchers, and the
+    handle (kept in the worker's history and the notebook) held the batch, its
+    session and the model with its prompt cache. Nothing showed while the model
+    stayed loaded; after an unload its weights and every cached prefix stayed
+    in memory, uncounted (the prefix-cache fault rounds: 4.99 MB active against
+    0.69 MB, exactly the unloaded model's weights and prompt cache).
+    """
+    folder = str(make_tiny_model(tmp_path / "model"))  # its own model: the unload touches no other test
+    mlx_notebook.generate("hi", model=folder, worker=worker, max_tokens=2).result(timeout=60)
+    loaded = weakref.ref(worker.call(lambda store: store.get(folder)))
+    model, _ = mlx_notebook.load_model(folder, worker=worker)
+    layers = model.model.layers
+    original = layers[1]
+    layers[1] = _FailsAt(original, at=60)
+    try:
+        gen = mlx_notebook.generate("The quick brown fox " * 20, model=folder, worker=worker, max_tokens=200)
+        assert gen.wait(60) and gen.state == "failed" and gen.tokens, (gen.state, gen.error)
+    finally:
+        layers[1] = original
+    del model, layers, original
+    holders = [getattr(w, "__self__", w) for w in gen.token.watchers]
+    assert not [h for h in holders if type(h).__name__ == "DecodeBatch"], holders
+    assert worker.call(lambda store: store.unload(folder))
+    worker.call(lambda store: gc.collect())
+    assert loaded() is None, [type(r).__name__ for r in gc.get_referrers(loaded())]
 
 
 def test_resume_during_load_reports_loading_again(worker, tiny_model: str, tmp_path: Path) -> None:
