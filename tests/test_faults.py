@@ -73,17 +73,7 @@ def test_random_fault_rounds(campaign: Campaign) -> None:
     assert any(r.fault == "pause_resume" and r.outcome == "done" for r in results), "no pause+resume"
 
 
-# Until session.py's decode-failure path unwatches its rows (the diff in issue 20's note): strict, so
-# that the fix shows as XPASS and this mark goes with it.
-_UNTIL_THE_UNWATCH_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="a failed decode step leaves DecodeBatch._poke in the failed rows' token watchers: the handle pins the "
-    "batch, its session and the model with its prompt cache (4.3 MB after --unload in these rounds)",
-)
-
-
 @pytest.mark.kernel
-@_UNTIL_THE_UNWATCH_FIX
 def test_fault_rounds_with_the_prefix_cache_on(tiny_model: str) -> None:
     """The rounds above run with the prompt cache off; with it on, every rerun of a
     prompt starts from its cached prefix, and after every fault (stops, pauses,
@@ -190,7 +180,6 @@ def test_failed_generation_frees_its_kv_cache(worker, tiny_model: str) -> None:
         gen.result()
 
 
-@_UNTIL_THE_UNWATCH_FIX
 def test_failed_decode_step_leaves_nothing_holding_the_model(worker, tmp_path: Path) -> None:
     """A failed decode step used to leave the batch in the failed rows' stop tokens.
 

@@ -39,6 +39,7 @@ from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings
+from .persist import load_seed
 from .prefill import prefill
 from .prefix_cache import KV_STEP, PromptCache, restore, storable, trimmed
 from .prompt import prepare_prompt
@@ -59,6 +60,10 @@ class Jobs(Protocol):
 
     def take_joiner(self, key: str, accept: Callable[[Reporter], bool]) -> Reporter | None:
         """The next queued job if it is a generation of model ``key`` that ``accept`` takes."""
+        ...
+
+    def run_inline_calls(self) -> None:
+        """Run the calls that may not wait for the session's end (saves of paused generations)."""
         ...
 
     def wait_for_change(self, timeout: float) -> None:
@@ -126,6 +131,7 @@ class Session:
             with contextlib.ExitStack() as stack:
                 self._start(first, stack)
                 while True:
+                    self.jobs.run_inline_calls()
                     for batch in self._live_batches():
                         batch.poll_parked()
                     job = self.jobs.take_joiner(self.key, self._fits)
@@ -166,6 +172,8 @@ class Session:
             log.debug("decode step failed", exc_info=True)
             self._synchronize_quietly()
             rows = batch.all_rows()
+            # Their tokens' watchers would keep the batch, and through it the model and its prompt cache, alive.
+            batch.close()
             batch.rows, batch.ready, batch.parked = [], [], []
             batch._cache, batch._pads, batch._y = [], [], None
             for row in rows:
@@ -215,7 +223,7 @@ class Session:
         )
         start = time.perf_counter()
         cache: Cache | None = None
-        prompt: list[int] = []
+        fed: list[int] = []
         try:
             with mx.stream(self.stream):
                 reporter.set_state(State.LOADING)
@@ -233,32 +241,75 @@ class Session:
                 reporter.set_state(State.PREFILLING)
                 _check_logit_bias(loaded, gen.request)
                 _check_kv_bits(loaded, gen.request)
-                prompt = prepare_prompt(loaded, gen.request)
+                resume = reporter.resume
+                prompt = resume.prompt if resume is not None else prepare_prompt(loaded, gen.request)
+                # What the cache will hold: the prompt, and a resumed generation's tokens so far.
+                fed = prompt + resume.tokens if resume is not None else prompt
                 gen.stats.prompt_tokens = len(prompt)
                 pace.checkpoint()
                 kv = KVSettings.of(gen.request)
-                cache, cached = self._prompt_cache(loaded).fetch(prompt, kv)
-                if cache is not None:
-                    # Room for the rest of the prompt and the first steps: no copy in them.
-                    restore(cache, len(prompt) - cached + KV_STEP, pace, piece_s=pace.budget_s * PREFILL_SHARE)
-                else:
-                    cache = kv.make_cache(loaded.model)
+                cache, cached = self._start_cache(loaded, reporter, fed, kv, pace)
                 gen.stats.cached_tokens = cached
                 prefill_start = time.perf_counter()
-                prefill(loaded, cache, prompt, pace=pace, sink=reporter, start=cached, kv=kv)
-            row = Row(reporter, pace, gen.request, prompt, cache, prompt[-1], start, prefill_start)
+                prefill(loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv)
+            row = Row(reporter, pace, gen.request, prompt, cache, fed[-1], start, prefill_start)
+            if resume is not None:
+                row.tokens = list(resume.tokens)
+                if resume.key is not None:
+                    row.sample.key = mx.array(resume.key, dtype=mx.uint32)
             self._batch_for(reporter, kv).add(row)
         except Cancelled:
             if not self._decoding():
                 self._synchronize_quietly()
             if cache is not None and self.loaded is not None:
-                self._keep_prefix(prompt, cache, KVSettings.of(gen.request))
+                self._keep_prefix(fed, cache, KVSettings.of(gen.request))
             gen.stats.stop_latency_s = gen.token.mark_stopped()
             self._end(reporter, State.STOPPED, None)
         except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
             self._synchronize_quietly()
             log.debug("generation #%s failed", gen.id, exc_info=True)
             self._end(reporter, State.FAILED, exc)
+
+    def _start_cache(
+        self, loaded: LoadedModel, reporter: Reporter, fed: list[int], kv: KVSettings, pace: Pace
+    ) -> tuple[Cache, int]:
+        """The cache a generation starts from and how many of ``fed`` it holds.
+
+        A resumed generation's file, or a loaded chat's; else the longest
+        prefix in the model's prompt cache; else an empty cache. Either copy
+        gets room for the rest of the prompt and the first steps.
+        """
+        seed = reporter.resume.seed if reporter.resume is not None else reporter.seed
+        cache: Cache | None = None
+        cached = 0
+        if seed is not None and seed.tokens:
+            cache = load_seed(seed, loaded, kv, pace)
+            common = min(_common_prefix(seed.tokens, fed), len(fed) - 1)
+            if common < len(seed.tokens):
+                if not storable(cache):
+                    cache, common = None, 0  # a rotating cache cannot be cut back: read the prompt
+                else:
+                    cache = trimmed(cache, common)
+            cached = common
+            reporter.seed = None  # read once: the next turns find it in the prompt cache
+        if cache is None or not cached:
+            cache, cached = self._prompt_cache(loaded).fetch(fed, kv)
+        if cache is None:
+            return kv.make_cache(loaded.model), 0
+        if storable(cache):
+            # Room for the rest of the prompt and the first steps: no copy in them.
+            restore(cache, len(fed) - cached + KV_STEP, pace, piece_s=pace.budget_s * PREFILL_SHARE)
+        return cache, cached
+
+    # -- what saving asks (on the worker thread) ------------------------------------------
+
+    def parked_row(self, gen: Any) -> Row | None:
+        """The parked (paused, decoding) row of ``gen``, if it has one."""
+        for batch in self.batches.values():
+            for row in batch.parked:
+                if row.sink.generation is gen:
+                    return row
+        return None
 
     def _open(self, loaded: LoadedModel, stack: contextlib.ExitStack) -> None:
         """The model is loaded: make the batch, raise the wired limit for the session."""
@@ -283,6 +334,10 @@ class Session:
     def _decoding(self) -> bool:
         return any(b.rows for b in self.batches.values())
 
+    def between(self) -> None:
+        """The others' steps between two pieces of an inline call (a save), as between prefill pieces."""
+        self._between()
+
     def _between(self) -> None:
         """At a prefill piece boundary: one decode step of the others, when they need one.
 
@@ -302,6 +357,7 @@ class Session:
 
     def _while_paused(self) -> None:
         """While a prefilling generation is paused: the others' steps, or a short wait."""
+        self.jobs.run_inline_calls()
         for batch in self._live_batches():
             batch.poll_parked()
         if self._has_work():
@@ -371,3 +427,11 @@ def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
     raise InvalidArgumentError(
         f"kv_group_size {request.kv_group_size} does not divide the model's head size {head_dim}: {fix}"
     )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
