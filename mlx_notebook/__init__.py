@@ -93,6 +93,30 @@ def load_model(name: str | None = None, *, worker: Worker | None = None) -> tupl
     return (worker or _worker()).load_model(name)
 
 
+def resume_from(
+    path: str,
+    *,
+    worker: Worker | None = None,
+    max_tokens: int | None = None,
+    stop_budget: float | None = None,
+    max_batch: int | None = None,
+) -> Generation:
+    """Continue a generation saved with :meth:`Generation.save`, in this process or any other.
+
+    Loads its model (the one it was saved from: a file from other weights is
+    refused), reads its KV cache back in budget-sized pieces (stoppable like
+    any phase) and goes on exactly where it was: the full token list equals
+    the uninterrupted run's (greedy and seeded). ``max_tokens`` may extend a
+    finished one.
+
+    Raises:
+        InvalidArgumentError: Not a saved generation, a damaged file (one line each).
+        ModelNotFoundError: Its model cannot be found here.
+    """
+    overrides = {"max_tokens": max_tokens, "stop_budget": stop_budget, "max_batch": max_batch}
+    return (worker or _worker()).resume(str(path), **overrides)
+
+
 def _worker() -> Worker:
     found = default_worker()
     assert found is not None  # create=True always gives one
@@ -138,4 +162,5 @@ __all__ = [
     "generate",
     "generate_many",
     "load_model",
+    "resume_from",
 ]

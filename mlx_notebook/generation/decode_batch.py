@@ -215,9 +215,20 @@ class DecodeBatch:
             # The model's first constrained row waits here (at its checkpoints) for llguidance's tokenizer;
             # with a reasoning model the grammar holds the answer after the reasoning.
             row.matcher = RowMatcher.for_row(constraint, self.loaded, row.prompt, wait=row.pace.checkpoint)
+        if row.tokens:
+            self._replay(row)
         # A stop wakes the worker while it waits for a step (see _wait).
         row.pace.token.watchers.append(self._poke)
         self.ready.append(row)
+
+    def _replay(self, row: Row) -> None:
+        """A row resumed from a file: its tokens so far, reported as the uninterrupted run reported them."""
+        for tok in row.tokens:
+            row.detokenizer.add_token(tok)
+            if row.matcher is not None:
+                row.matcher.advance(tok)
+        row.sink.stats.generated_tokens = len(row.tokens)
+        self._emit(row, list(row.tokens), row.detokenizer.last_segment)
 
     def close(self) -> None:
         """Forget the rows' requests (the session ends)."""
@@ -511,6 +522,8 @@ class DecodeBatch:
                 row.sink.emit_split([], "", row.held)
             row.held = ""
             finish = row.finish
+        if not row.greedy:
+            row.sink.keep_sampler_key(row.sample.key)  # read only if the generation is saved
         stats = row.sink.stats
         stats.finish_reason = finish
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

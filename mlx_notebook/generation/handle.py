@@ -110,6 +110,11 @@ class Generation:
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
         self._tokenizer: Any = None
+        # For saving: the model it runs on, its prompt's tokens, its sampler's last key.
+        self.model_key: str | None = None
+        self._prompt_tokens: list[int] = []
+        self._sampler_key: Any = None
+        self._saver: Callable[[Generation, str, float | None], int] | None = None
         self._listeners: list[Listener] = []
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -182,6 +187,17 @@ class Generation:
             raise IncompleteOutputError(f"generation #{self.id}: {exc}") from None
 
     @property
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's token ids as the model read them (chat template applied); empty until prefill starts."""
+        return list(self._prompt_tokens)
+
+    @property
+    def sampler_key(self) -> list[int] | None:
+        """The sampler's PRNG key after its last token (two uint32), ``None`` while it runs or when greedy."""
+        key = self._sampler_key
+        return None if key is None else [int(k) for k in key.tolist()]
+
+    @property
     def finished(self) -> bool:
         """Whether the generation reached ``stopped``, ``done`` or ``failed``."""
         return self._done.is_set()
@@ -205,6 +221,30 @@ class Generation:
         self._on_cancel(self)
 
     stop = cancel
+
+    def save(self, path: str, *, timeout: float | None = None) -> int:
+        """Write this generation to one file that :func:`mlx_notebook.resume_from` continues, in any process.
+
+        A paused generation is saved with its KV cache and sampler state, so
+        the resume gives exactly the tokens an uninterrupted run gives; a
+        stopped or finished one with the cache the model's prompt cache still
+        holds of it (the resume prefills what it lacks). The file is mlx-lm's
+        prompt-cache format (safetensors + JSON), never code. The save runs
+        on the worker in budget-sized pieces; the other generations keep
+        streaming; an interrupt (or ``KeyboardInterrupt``) stops it and keeps
+        any older file at ``path``.
+
+        Returns:
+            The bytes written.
+
+        Raises:
+            InvalidArgumentError: It cannot be saved now (running: pause it first;
+              queued; paused inside its prefill), in one line.
+            TimeoutError: Not saved within ``timeout`` seconds.
+        """
+        if self._saver is None:
+            raise InvalidArgumentError(f"generation #{self.id} runs on a cluster: saving is for one process")
+        return self._saver(self, str(path), timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished; return whether it finished in time."""
@@ -251,6 +291,10 @@ class Reporter:
     def __init__(self, generation: Generation, model_key: str | None = None) -> None:
         self.generation = generation
         self.stats = generation.stats
+        generation.model_key = model_key
+        # A resumed generation's saved state, or a KV file to start from (a loaded chat's).
+        self.resume: Any = None
+        self.seed: Any = None
         # The resolved model (``ModelSource.key``): the worker batches
         # generations of the same one together.
         self.model_key = model_key
@@ -318,7 +362,12 @@ class Reporter:
 
     def set_prompt(self, prompt: list[int]) -> None:
         """The prompt's tokens: the reasoning channel starts open when the chat template opened the block."""
+        self.generation._prompt_tokens = list(prompt)
         self.set_reasoning(self._tags, opens_thinking(self._tags, prompt))
+
+    def keep_sampler_key(self, key: Any) -> None:
+        """The sampler's key after the last token (an MLX array, read only when the generation is saved)."""
+        self.generation._sampler_key = key
 
     def set_reasoning(self, tags: ThinkTags | None, open_: bool) -> None:
         """The reasoning tags, and whether the block is open before the first token (where the tokenizer is not here: a cluster's rank 0 says)."""

@@ -42,10 +42,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..control import CancelToken, Pace
+from ..errors import InvalidArgumentError
 from ..loading.store import ModelStore, Tokenizer
 from .handle import Generation, Reporter
+from .persist import read_resume
 from .prefix_cache import DEFAULT_PROMPT_CACHE_GB, GB
 from .request import GenerationRequest
+from .saving import save_generation
 from .session import Session
 from .states import State
 
@@ -66,6 +70,15 @@ _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 def _shutdown_live_workers() -> None:
     for worker in list(_live_workers):
         worker.shutdown(cancel=True, timeout=30.0)
+
+
+# What resume_from may change of a saved request (the rest must stay as the file's KV was computed).
+_RESUME_OVERRIDES = {"max_tokens", "stop_budget", "max_batch", "logprobs", "stop"}
+
+
+def _between(session: Session | None) -> Callable[[], None] | None:
+    """The hook that keeps a session's rows streaming between the pieces of an inline call."""
+    return session.between if session is not None else None
 
 
 @dataclass
@@ -98,6 +111,9 @@ class Worker:
         self._prompt_cache_gb = prompt_cache_gb
         self.session: Session | None = None
         self._queue: deque[Job] = deque()
+        # Calls that run at the worker's next look, between two steps of a
+        # running session too (saves of paused generations): never queued behind it.
+        self._inline: deque[_Call] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -115,16 +131,100 @@ class Worker:
             ModelNotFoundError, ModelFormatError: A bad model name or file.
         """
         request.validate()
+        return self._queue_generation(request)
+
+    def resume(self, path: str, **overrides: Any) -> Generation:
+        """Continue a generation saved with :meth:`Generation.save` (see :func:`mlx_notebook.resume_from`).
+
+        Raises:
+            InvalidArgumentError: Not a saved generation, a damaged header, a bad override.
+            ModelNotFoundError: Its model cannot be found here.
+        """
+        request, resume = read_resume(path)
+        unknown = sorted(set(overrides) - _RESUME_OVERRIDES)
+        if unknown:
+            raise InvalidArgumentError(
+                f"resume_from cannot change {unknown[0]!r}: only {', '.join(sorted(_RESUME_OVERRIDES))}"
+            )
+        for name, value in overrides.items():
+            if value is not None:
+                setattr(request, name, value)
+        request.validate()
+        return self._queue_generation(request, resume=resume)
+
+    def _queue_generation(self, request: GenerationRequest, *, resume: Any = None, seed: Any = None) -> Generation:
         source = self.store.resolve(request.model)
         gen = Generation(request, on_cancel=self._discard_queued)
+        gen._saver = self.save
         gen.token.watchers.append(self._wake)
+        reporter = Reporter(gen, source.key)
+        reporter.resume, reporter.seed = resume, seed
         with self._cond:
             self._check_open()
-            self._queue.append(Reporter(gen, source.key))
+            self._queue.append(reporter)
             self.history.append(gen)
             self._start_thread()
             self._cond.notify_all()
         return gen
+
+    def submit_from(self, request: GenerationRequest, seed: Any) -> Generation:
+        """:meth:`submit`, starting from the KV cache file of ``seed`` (a :class:`~.persist.KVSeed`; a loaded chat's)."""
+        request.validate()
+        return self._queue_generation(request, seed=seed)
+
+    def save(self, gen: Generation, path: str, timeout: float | None = None) -> int:
+        """Write ``gen`` to ``path`` on the worker thread, between two steps of whatever runs (:meth:`Generation.save`)."""
+        token = CancelToken()
+
+        def follow() -> None:  # a stop of the generation stops its save
+            if gen.token.cancelled:
+                token.cancel()
+
+        gen.token.watchers.append(follow)
+        try:
+            return self.run_inline(
+                lambda session: save_generation(
+                    gen, path, self.store, session, Pace(token, gen.request.stop_budget, between=_between(session))
+                ),
+                token,
+                timeout,
+            )
+        finally:
+            gen.token.watchers.remove(follow)
+
+    def run_inline(self, fn: Callable[[Session | None], Any], token: CancelToken, timeout: float | None = None) -> Any:
+        """Run ``fn(session)`` on the worker thread at its next look (between two steps of a running session).
+
+        An interrupt while waiting (``KeyboardInterrupt``) cancels ``token``,
+        which ``fn``'s pace checks, waits for ``fn`` to give up, and raises.
+        """
+        job = _Call(lambda _store: fn(self.session), threading.Event())
+        with self._cond:
+            self._check_open()
+            self._inline.append(job)
+            self._start_thread()
+            self._cond.notify_all()
+        try:
+            if not job.done.wait(timeout):
+                token.cancel()
+                job.done.wait()
+                raise TimeoutError(f"not done within {timeout} s: stopped")
+        except KeyboardInterrupt:
+            token.cancel()
+            job.done.wait()
+            raise
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def run_inline_calls(self) -> None:
+        """Run the inline calls waiting (on the worker thread: the session's loop asks between steps)."""
+        while True:
+            with self._cond:
+                if not self._inline:
+                    return
+                job = self._inline.popleft()
+            self._run_call(job)
 
     def call(self, fn: Callable[[ModelStore], Any], timeout: float | None = None) -> Any:
         """Run ``fn(store)`` on the worker thread after the queued jobs."""
@@ -180,7 +280,7 @@ class Worker:
     def wait_for_change(self, timeout: float) -> None:
         """Block until a job is queued or a generation gets a request, at most ``timeout`` s."""
         with self._cond:
-            if not self._queue and not self._closed:
+            if not self._queue and not self._inline and not self._closed:
                 self._cond.wait(timeout)
 
     @property
@@ -276,14 +376,16 @@ class Worker:
     def _next_job(self) -> Job | None:
         if self._cleanup_due:
             with self._cond:
-                if not self._queue and not self._closed:
+                if not self._queue and not self._inline and not self._closed:
                     self._cond.wait(CLEANUP_DELAY_S)
             self._cleanup_due = False
             # Free the last generation's KV cache before the next job allocates.
             mx.clear_cache()
         with self._cond:
-            while not self._queue and not self._closed:
+            while not self._queue and not self._inline and not self._closed:
                 self._cond.wait()
+            if self._inline:
+                return self._inline.popleft()
             if self._queue:
                 return self._queue.popleft()
             return None

@@ -99,6 +99,7 @@ class LoadedModel:
         prompt_cache: KV caches of its past generations, for prompt-prefix
           reuse (a ``PromptCache``, made by the worker). Dropped with the
           model. Default: ``None``.
+        fingerprint: Its weights' fingerprint, once a save or resume needed it. Default: ``None``.
     """
 
     source: ModelSource
@@ -112,6 +113,7 @@ class LoadedModel:
     layer_pieces: bool = True
     folder: Path | None = None
     prompt_cache: Any = None
+    fingerprint: str | None = None
 
 
 class ModelStore:
