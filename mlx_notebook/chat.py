@@ -36,9 +36,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .control import CancelToken, Pace
 from .errors import InvalidArgumentError, MLXNotebookError
+from .generation import persist
 from .generation.handle import Generation, GenerationEvent
 from .generation.request import GenerationRequest, check_option, option_names
+from .generation.saving import save_chat
 from .generation.states import State
 from .generation.worker import Worker, default_worker
 
@@ -93,6 +96,8 @@ class Chat:
         self.messages: list[dict[str, Any]] = []
         self.generation: Generation | None = None  # the latest turn's
         self._worker = worker
+        # The KV cache file of a chat loaded with one (Chat.save(path, kv=True)), for its next turn.
+        self._seed: persist.KVSeed | None = None
         # Turns sent whose answer is not in the history yet, by generation id.
         self._pending: dict[int, dict[str, Any]] = {}
         # The worker thread settles a turn while the user's thread may send or edit.
@@ -139,7 +144,13 @@ class Chat:
             request = GenerationRequest(prompt, model=self.model, system=self.system, **options)
             from .cluster.routing import submit  # a chat on a running cluster's model runs on its ranks
 
-            gen = submit(request, self._worker or _default_worker())  # validates: a bad input changes nothing
+            worker = self._worker or _default_worker()
+            if self._seed is not None:
+                # The first turn after Chat.load: served from the file's KV cache.
+                gen = worker.submit_from(request, self._seed)
+                self._seed = None
+            else:
+                gen = submit(request, worker)  # validates: a bad input changes nothing
             self.messages.append(user)
             self._pending[gen.id] = user
             self.generation = gen
@@ -191,8 +202,20 @@ class Chat:
 
     # -- files --------------------------------------------------------------------------
 
-    def save(self, path: str | Path) -> None:
-        """Write the messages and the chat's options to ``path`` as JSON."""
+    def save(self, path: str | Path, *, kv: bool = False) -> None:
+        """Write the messages and the chat's options to ``path``: JSON, or with ``kv=True`` its KV cache too.
+
+        With ``kv=True`` the file is mlx-lm's prompt-cache format (safetensors,
+        the chat's JSON in its metadata) holding the KV cache of the history
+        (what the model's prompt cache kept of the last turn): after a kernel
+        restart, :meth:`load` gives a chat whose next turn is served from it
+        instead of prefilling the whole history again. The save runs on the
+        worker in budget-sized pieces; an interrupt stops it.
+
+        Raises:
+            ChatBusyError: A turn runs.
+            InvalidArgumentError: ``kv=True`` on an empty chat, or with ``max_kv_size``.
+        """
         with self._lock:
             self._check_idle("save")
             data = {
@@ -204,7 +227,23 @@ class Chat:
                 "messages": self.messages,
             }
             text = json.dumps(data, indent=1, ensure_ascii=False)
-        Path(path).write_text(text + "\n", encoding="utf-8")
+            history = [_sent(m) for m in self.messages]
+        if not kv:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+            return
+        if not history:
+            raise InvalidArgumentError("the chat is empty: there is no KV cache to keep; save it without kv=True")
+        request = GenerationRequest(history, model=self.model, system=self.system, **self.options)
+        request.validate()
+        worker = self._worker or _default_worker()
+        token = CancelToken()
+        budget = request.stop_budget
+        worker.run_inline(
+            lambda session: save_chat(
+                request, data, path, worker.store, Pace(token, budget, between=session.between if session else None)
+            ),
+            token,
+        )
 
     @classmethod
     def load(cls, path: str | Path, *, worker: Worker | None = None) -> Chat:
@@ -214,10 +253,21 @@ class Chat:
             InvalidArgumentError: The file is not a saved chat.
             OSError: It cannot be read.
         """
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidArgumentError(f"{path} is not a saved chat: {exc}") from None
+        seed = None
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+        if head[:1] not in (b"{", b""):  # Chat.save(path, kv=True): the chat with its KV cache
+            found = persist.read(path, persist.CHAT_FORMAT)
+            data = found.get("chat")
+            tokens = found.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+                raise InvalidArgumentError(f"{path}: 'tokens' must be a list of token ids")
+            seed = persist.seed_of(found, str(path), tokens)
+        else:
+            try:
+                data = json.loads(Path(path).read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise InvalidArgumentError(f"{path} is not a saved chat: {exc}") from None
         if not isinstance(data, dict) or data.get(_FORMAT_KEY) != _FORMAT_VERSION:
             raise InvalidArgumentError(
                 f"{path} is not a saved chat (Chat.save writes {_FORMAT_KEY}: {_FORMAT_VERSION})"
@@ -236,6 +286,7 @@ class Chat:
         except (TypeError, MLXNotebookError) as exc:
             raise InvalidArgumentError(f"{path}: {exc}") from None
         chat.messages = _checked_messages(data.get("messages"), path)
+        chat._seed = seed if seed is not None and seed.tokens else None
         return chat
 
     # -- the worker's side ---------------------------------------------------------------

@@ -122,6 +122,8 @@ def submit(request: GenerationRequest, worker: Worker) -> Generation:
         if request.constraint is not None:
             # The ranks sample with no matcher yet (issue 22): refuse rather than ignore it.
             raise InvalidArgumentError("schema=, choices= and regex= do not run on a cluster yet; use a local model")
+        if request.kv_bits is not None or request.max_kv_size is not None:
+            raise InvalidArgumentError("kv_bits and max_kv_size do not run on a cluster yet; use a local model")
         return cluster.submit(request)
     return worker.submit(request)
 

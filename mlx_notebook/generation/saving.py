@@ -24,7 +24,9 @@ from ..loading.store import LoadedModel, ModelStore
 from .batch_cache import length
 from .handle import Generation
 from .kv_settings import KVSettings
-from .persist import fingerprint, generation_json, write
+from .persist import CHAT_FORMAT, fingerprint, generation_json, write
+from .prompt import prepare_prompt
+from .request import GenerationRequest
 from .states import State
 
 
@@ -93,4 +95,45 @@ def save_generation(
     return write(path, cache, data, pace)
 
 
-__all__ = ["save_generation"]
+def save_chat(
+    request: GenerationRequest, chat: dict[str, Any], path: str | os.PathLike[str], store: ModelStore, pace: Pace
+) -> tuple[int, int]:
+    """Write a chat (its JSON) with the KV cache its history left in the model's prompt cache.
+
+    ``request`` is the chat's next turn without its user message: its
+    prompt, the history with the template's generation prompt after it,
+    shares with the next turn's prompt everything but that last piece. The
+    longest prompt-cache entry of it is written (the last turn's prompt and
+    answer): after a restart, :meth:`~mlx_notebook.Chat.load` serves the
+    next turn from it.
+
+    Returns:
+        The bytes written, and how many tokens of KV they hold (0 when the
+        model is not loaded or its prompt cache holds none of the history).
+    """
+    kv = KVSettings.of(request)
+    if not kv.plain and kv.max_size is not None:
+        raise InvalidArgumentError(
+            "a chat with max_kv_size cannot keep its KV: a rotating cache drops what the next turn reads; "
+            "save it without kv=True"
+        )
+    loaded = store.get(request.model, pace)
+    tokens = prepare_prompt(loaded, request)
+    cache: list[Any] = []
+    n = 0
+    if loaded.prompt_cache is not None:
+        found, n = loaded.prompt_cache.fetch(tokens, kv)
+        cache = found or []
+    data = {
+        "format": CHAT_FORMAT,
+        "chat": chat,
+        "kv_tokens": n,
+        "tokens": tokens[:n],
+        "model": loaded.source.key,
+        "fingerprint": fingerprint(loaded),
+        "kv": kv.as_dict(),
+    }
+    return write(path, cache, data, pace), n
+
+
+__all__ = ["save_chat", "save_generation"]

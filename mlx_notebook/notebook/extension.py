@@ -74,9 +74,11 @@ def load(ipython: Any) -> MLXGen:
     register_cluster_magic(ipython)
     from .chat_magic import register as register_chat_magic  # %%mlxchat, on MLXGen's config
     from .job_magics import register as register_job_magics  # %mlxgen_stop, _jobs, _models
+    from .save_magics import register as register_save_magics  # %mlxgen_save, _resume
 
     register_chat_magic(ipython, magics)
     register_job_magics(ipython, magics)
+    register_save_magics(ipython, magics)
     for event in _EVENTS:
         ipython.events.register(event, getattr(magics.router, event))
     magics.hooks = KernelHooks(ipython, worker=magics.used_worker, views=magics.router)
@@ -110,8 +112,9 @@ def unload(ipython: Any) -> None:
     from .chat_magic import ChatMagics
     from .cluster_magic import ClusterMagics
     from .job_magics import JobMagics
+    from .save_magics import SaveMagics
 
-    for kind in (ChatMagics, ClusterMagics, JobMagics):
+    for kind in (ChatMagics, ClusterMagics, JobMagics, SaveMagics):
         others = ipython.magics_manager.registry.get(kind.__name__)
         if isinstance(others, kind):
             _remove(ipython, others, kind.__name__)

@@ -127,11 +127,22 @@ class JobMagics(Magics):
         if not loaded:
             print("no model loaded")
             return
-        rows = [["model", "parameters", "loaded in", "prompt cache", "path"]]
+        rows = [["model", "parameters", "loaded in", "KV of running", "prompt cache", "path"]]
+        running = worker.running() if worker is not None else []
         for m in loaded:
             kept = m.prompt_cache
             cached = f"{len(kept)} x, {kept.nbytes / 2**20:.0f} MB" if kept is not None else "-"
-            rows.append([m.source.name, f"{m.nbytes / 2**20:.0f} MB", f"{m.load_s:.1f} s", cached, str(m.source.path)])
+            kv = sum(g.stats.kv_bytes for g in running if g.model_key == m.source.key)
+            rows.append(
+                [
+                    m.source.name,
+                    f"{m.nbytes / 2**20:.0f} MB",
+                    f"{m.load_s:.1f} s",
+                    f"{kv / 2**20:.1f} MB",
+                    cached,
+                    str(m.source.path),
+                ]
+            )
         print(_table(rows))
         try:
             import mlx.core as mx
