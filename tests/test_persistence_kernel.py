@@ -1,0 +1,97 @@
+"""A paused generation and a chat survive a real kernel restart (jupyter_client, the default model).
+
+Issue 23's acceptance on the CPU: pause a generation at token 20,
+``%mlxgen_save`` it, restart the kernel the way a frontend does,
+``%mlxgen_resume`` it: the full token list equals the uninterrupted run's
+(greedy, ``--seed`` sampling, quantized KV). And a 10-turn chat saved with its
+KV serves turn 11 from it after the restart: a fraction of the time to first
+token of a load without KV, ``cached_tokens`` > 0, the same answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from testkit.kernel_helpers import KernelSession, start_kernel
+
+PROMPT = "Write a long story about a dragon and a knight who become friends."
+FLAGS = [
+    pytest.param("", id="greedy"),
+    pytest.param("-t 0.8 --seed 7", id="seeded"),
+    pytest.param("--kv-bits 8 --quantized-kv-start 0", id="kv8"),
+]
+
+
+def restart(session: KernelSession, model: str) -> None:
+    """Restart the kernel as a frontend does, then load the extension again."""
+    old = session.process
+    session.km.restart_kernel(now=False)
+    assert old.wait(timeout=30) == 0, "the old kernel did not exit cleanly"
+    session.wait_ready()
+    session.process = session.km.provisioner.process
+    for code in ("%load_ext mlx_notebook", f"%config MLXGen.model = {model!r}", "%config MLXGen.format = 'text'"):
+        assert session.execute(code).ok, code
+
+
+def ok(session: KernelSession, code: str, timeout: float = 300.0) -> str:
+    reply = session.execute(code, timeout)
+    assert reply.ok, (code, reply.content)
+    return reply.stream("stdout")
+
+
+@pytest.mark.parametrize("flags", FLAGS)
+def test_a_paused_generation_resumes_after_a_kernel_restart(model_name: str, tmp_path, flags: str) -> None:
+    path = tmp_path / "story.safetensors"
+    with start_kernel(model_name, text=True) as session:
+        ok(session, f"%%mlxgen -n 48 -o ref --wait {flags}\n{PROMPT}")
+        reference = session.eval("ref.tokens")
+        assert len(reference) == 48
+        ok(session, f"%%mlxgen -n 48 -o gen {flags}\n{PROMPT}")
+        session.wait_until(lambda: session.eval("len(gen.tokens)") >= 20, 120, "20 tokens")
+        ok(session, "gen.pause()")
+        session.wait_until(lambda: session.eval("gen.state") == "paused", 60, "paused")
+        at = session.eval("len(gen.tokens)")
+        assert at < 48
+        out = ok(session, f"%mlxgen_save {session.eval('gen.id')} {path}")
+        assert "saved to" in out, out
+        restart(session, model_name)
+        ok(session, f"%mlxgen_resume {path} -o again --wait")
+        assert session.eval("again.state") == "done"
+        assert session.eval("again.tokens") == reference
+        assert session.eval("again.stats.cached_tokens") > 0
+
+
+def test_a_chat_saved_with_its_kv_answers_turn_11_from_it_after_a_restart(model_name: str, tmp_path) -> None:
+    saved, plain = tmp_path / "chat.safetensors", tmp_path / "chat.json"
+    with start_kernel(model_name, text=True) as session:
+        ok(
+            session,
+            "import mlx_notebook\n"
+            "chat = mlx_notebook.Chat(max_tokens=24)\n"
+            "for i in range(10):\n"
+            "    chat.send(f'Give me fact number {i + 1} about rivers, in one sentence.').result(timeout=300)\n"
+            f"chat.save({str(saved)!r}, kv=True)\n"
+            f"chat.save({str(plain)!r})\n",
+            timeout=900,
+        )
+        ok(session, "turn = chat.send('And one more fact?'); turn.result(timeout=300)")
+        answer = session.eval("turn.tokens")
+
+        ttft = {}
+        for name, path in (("kv", saved), ("json", plain)):
+            restart(session, model_name)
+            # The model loaded first: the times compare serving turn 11, not loading SmolLM2.
+            ok(session, "import mlx_notebook\nmlx_notebook.load_model()")
+            ok(
+                session,
+                f"chat = mlx_notebook.Chat.load({str(path)!r})\n"
+                "turn = chat.send('And one more fact?'); turn.result(timeout=300)",
+            )
+            assert session.eval("turn.tokens") == answer, name
+            ttft[name] = session.eval("turn.stats.ttft_s")
+            cached = session.eval("turn.stats.cached_tokens")
+            assert (cached > 0) == (name == "kv"), (name, cached)
+        print(f"turn 11 TTFT after a restart: {ttft['kv']:.2f} s from the KV file, {ttft['json']:.2f} s from JSON")
+        # The acceptance ratio (0.2x) is a benchmark figure (benchmarks/chat_restore.py); a test only
+        # asserts that the KV was used, with room for a loaded CI machine.
+        assert ttft["kv"] < ttft["json"], ttft
