@@ -255,8 +255,10 @@ class Chat:
         """
         seed = None
         with open(path, "rb") as f:
-            head = f.read(64).lstrip()
-        if head[:1] not in (b"{", b""):  # Chat.save(path, kv=True): the chat with its KV cache
+            head = f.read(9)
+        # A safetensors file (Chat.save(path, kv=True): the chat with its KV cache) starts with
+        # its header's length (8 bytes, little-endian) and the header's JSON; a JSON save with "{".
+        if len(head) == 9 and head[8:9] == b"{" and not head.lstrip().startswith(b"{"):
             found = persist.read(path, persist.CHAT_FORMAT)
             data = found.get("chat")
             tokens = found.get("tokens")

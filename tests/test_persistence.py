@@ -188,3 +188,38 @@ def test_a_chat_with_a_rotating_cache_refuses_to_keep_its_kv(worker, wide_model,
     with pytest.raises(InvalidArgumentError, match="a chat with max_kv_size cannot keep its KV"):
         chat.save(tmp_path / "c.safetensors", kv=True)
     assert not Path(tmp_path / "c.safetensors").exists()
+
+
+def test_mutated_json_in_a_save_file_gives_one_line_errors(worker, wide_model, tmp_path):
+    """Every field of the file's JSON replaced by wrong values: a one-line error (at resume_from, or
+    the generation fails with one), never a crash, a hang or another exception type."""
+    from mlx_notebook.control import unpaced
+
+    gen = paused_at(worker, wide_model, 4)
+    good = tmp_path / "good.safetensors"
+    gen.save(good)
+    gen.cancel()
+    gen.wait(60)
+    cache, _ = load(good, unpaced())
+    data = json.loads(read_metadata(good)[persist.META_KEY])
+    wrong = [None, -1, 10**12, "x", [], [-5], {}, [1.5], True]
+    outcomes = []
+    for field in list(data) + [f"request.{name}" for name in data["request"]]:
+        for value in wrong:
+            mutated = json.loads(json.dumps(data))
+            target, key = (mutated["request"], field.split(".", 1)[1]) if "." in field else (mutated, field)
+            target[key] = value
+            path = tmp_path / "mutated.safetensors"
+            persist.write(path, cache, mutated, unpaced())
+            try:
+                resumed = mlx_notebook.resume_from(str(path), worker=worker, max_tokens=len(data["tokens"]) + 2)
+            except mlx_notebook.MLXNotebookError as exc:
+                assert "\n" not in str(exc), (field, value, str(exc))
+                outcomes.append("refused")
+                continue
+            assert resumed.wait(120), (field, value)
+            if resumed.state == "failed":
+                assert "\n" not in str(resumed.error), (field, value, str(resumed.error))
+            outcomes.append(resumed.state)
+    assert outcomes.count("refused") > len(outcomes) // 2, outcomes
+    assert mlx_notebook.generate(PROMPT, model=wide_model, worker=worker, max_tokens=4).result(timeout=60)

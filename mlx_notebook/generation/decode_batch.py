@@ -44,6 +44,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ..control import Pace
+from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
@@ -226,7 +227,14 @@ class DecodeBatch:
         for tok in row.tokens:
             row.detokenizer.add_token(tok)
             if row.matcher is not None:
-                row.matcher.advance(tok)
+                try:
+                    row.matcher.advance(tok)
+                    row.matcher.done  # noqa: B018 (reads the child's answer: a refused token raises here)
+                except Exception:
+                    raise InvalidArgumentError(
+                        f"the saved tokens do not fit the request's grammar (token {tok} is refused): "
+                        "the file's request was changed; save the generation again"
+                    ) from None
         row.sink.stats.generated_tokens = len(row.tokens)
         self._emit(row, list(row.tokens), row.detokenizer.last_segment)
 

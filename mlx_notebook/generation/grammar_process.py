@@ -262,7 +262,7 @@ class GrammarProcess:
             reply = self._ack(row)
         if reply[0] != "ok":
             self.free(row)
-            raise RuntimeError(f"structured output: {reply[1]}")
+            raise RuntimeError(f"structured output: {_first_line(reply[1])}")
         return row
 
     def advance(self, row: int, token: int) -> None:
@@ -279,7 +279,7 @@ class GrammarProcess:
         with self._lock:
             reply = self._ack(row)
         if reply[0] != "ok":
-            raise RuntimeError(f"structured output: {reply[1]}")
+            raise RuntimeError(f"structured output: {_first_line(reply[1])}")
         return bool(reply[1])
 
     def mask(self, row: int) -> bytes:
@@ -390,3 +390,9 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 
 __all__ = ["GrammarProcess", "GrammarProcessError"]
+
+
+def _first_line(message: object) -> str:
+    """llguidance's errors go on with the parser's state over many lines: the first says what failed."""
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else "llguidance failed"

@@ -12,10 +12,17 @@ meanings and defaults:
   are kept, older ones are overwritten: ``RotatingKVCache``).
 
 mlx-lm converts the cache after each model call; here it is converted before
-the next one, which is the same cache at every call (the condition reads the
-same offset) and lets a step built ahead be undone on pause (its forward
-never converted anything). A saved or reported cache is converted first, so
-it is what the next call would see.
+the next one (never before the first), which is the same cache at every call
+(the condition reads the same offset) and lets a step built ahead be undone
+on pause (its forward quantized only what the uninterrupted run's would
+have). A saved cache is written as it is; the next call converts it if due.
+
+On MLX's CUDA backend (mlx 0.32.4) a quantized cache fails at the first
+decode step, in mlx-lm's own ``stream_generate`` as well:
+``quantized_matmul`` has no kernel for the strided slice of the cache's
+buffer that attention reads (it works only when the buffer is exactly full).
+``kv_bits`` is refused there in one line, before any work
+(:func:`quantized_kv_supported`).
 
 Rows with either setting decode alone: mlx-lm batches plain ``KVCache``
 layers only (there is no batched quantized cache, and a rotating row's
@@ -96,7 +103,9 @@ class KVSettings:
         if self.bits is None:
             return
         for i, layer in enumerate(cache):
-            if hasattr(layer, "to_quantized") and layer.offset >= self.quantized_start:
+            # Not before the first call (offset 0): mlx-lm's first call runs on the plain cache,
+            # and quantizes after it, however small quantized_kv_start is.
+            if hasattr(layer, "to_quantized") and layer.offset > 0 and layer.offset >= self.quantized_start:
                 cache[i] = layer.to_quantized(group_size=self.group_size, bits=self.bits)
 
     def describe(self) -> str:
@@ -118,6 +127,16 @@ class KVSettings:
         }
 
 
+def quantized_kv_supported() -> bool:
+    """Whether the default device runs mlx-lm's quantized KV cache (not the CUDA backend of mlx 0.32)."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.cpu:
+        return True
+    cuda = getattr(mx, "cuda", None)
+    return not (cuda is not None and cuda.is_available())
+
+
 def cache_nbytes(cache: list[Any]) -> int:
     """Bytes of keys and values ``cache`` holds (quantized data, scales and biases included)."""
     total = 0
@@ -136,4 +155,5 @@ __all__ = [
     "KV_GROUP_SIZES",
     "KVSettings",
     "cache_nbytes",
+    "quantized_kv_supported",
 ]

@@ -38,7 +38,7 @@ from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
-from .kv_settings import KV_GROUP_SIZES, KVSettings
+from .kv_settings import KV_GROUP_SIZES, KVSettings, quantized_kv_supported
 from .persist import load_seed
 from .prefill import prefill
 from .prefix_cache import KV_STEP, PromptCache, restore, storable, trimmed
@@ -417,6 +417,11 @@ def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
     """``kv_group_size`` must divide the model's head size (known only once it is loaded)."""
     if request.kv_bits is None:
         return
+    if not quantized_kv_supported():
+        raise InvalidArgumentError(
+            "kv_bits does not run on MLX's CUDA backend yet (mlx 0.32: quantized_matmul has no kernel "
+            "for the KV cache's strided slices; mlx-lm fails the same way): leave kv_bits unset here"
+        )
     config = loaded.config
     heads = config.get("num_attention_heads")
     head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)
