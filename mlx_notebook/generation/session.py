@@ -36,6 +36,7 @@ from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache
 from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
+from .constraint_matcher import start_grammar_process
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings, quantized_kv_supported
@@ -239,6 +240,8 @@ class Session:
                     self._open(loaded, stack)
                 reporter.set_tokenizer(loaded.tokenizer)
                 reporter.set_state(State.PREFILLING)
+                if gen.request.constraint is not None:
+                    start_grammar_process(loaded)  # its tokenizer builds in a child while the prompt is read
                 _check_logit_bias(loaded, gen.request)
                 _check_kv_bits(loaded, gen.request)
                 resume = reporter.resume
