@@ -221,13 +221,20 @@ def wait_decoding(gens, n=2):
         time.sleep(0.0005)
 
 
-def stop_one_rounds(worker, name, prompts, budget, rounds, rng):
-    """Latencies of stopping one row while the others decode, and the batch's step times."""
+def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None):
+    """Latencies of stopping one row while the others decode, and the batch's step times.
+
+    ``options``: more keyword arguments of every row's ``generate`` (e.g. ``schema=``: the
+    rows must still decode ~0.2 s after they all started, so a constraint's value must be long).
+    """
     latencies, steps, worker_side = [], [], []
     early = 0
     for _ in range(rounds):
         gens = [
-            mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
+            mlx_notebook.generate(
+                p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget, **(options or {})
+            )
+            for p in prompts
         ]
         clock = TokenClock(gens)
         wait_decoding(gens)
@@ -351,10 +358,10 @@ class Durations:
 
 
 def step_profile(worker, name, prompts, max_tokens, budget):
-    """Where a batched step's time goes on the worker: Python parts, the sleep awake to requests, the read."""
+    """Where a batched step's time goes on the worker: Python parts, queueing steps (`_queue`), the read."""
     from mlx_notebook.generation.decode_batch import DecodeBatch
 
-    parts = ["step", "_forward", "_wait", "_report", "_change_rows"]
+    parts = ["step", "_forward", "_queue", "_report", "_change_rows"]
     with Durations([(DecodeBatch, p) for p in parts]) as d:
         gens = [
             mlx_notebook.generate(p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)

@@ -9,6 +9,8 @@ tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import random
 import time
 
@@ -305,14 +307,14 @@ def test_a_stop_is_reported_before_the_step_in_flight_ends(tiny_model, solo):
             rows.step()  # after each, the next step is built and queued: one is in flight now
         victim = rows.gens[1]
         held = len(victim.tokens)
-        victim.token.cancel()
         rows.events.clear()
-        rows.step()
+        victim.token.cancel()
+        # Reported by the cancel itself (no cache handed over yet), before the step in flight is read.
         assert victim.state == "stopped" and len(victim.tokens) == held
-        # Reported (no cache handed over yet) before any other row's token of that step.
-        others = [e for e in rows.events if e[1] != victim.id or e[0] == "stopped"]
-        assert others[0] == ("stopped", victim.id), rows.events
+        assert rows.events == [("stopped", victim.id)], rows.events
         assert rows.left == [(victim.id, None)]
+        rows.step()
+        assert len(victim.tokens) == held and all(e[1] != victim.id for e in rows.events[1:]), rows.events
         # Its cache is cut out when that step ends: its prompt and read tokens, for prefix reuse.
         ((tokens, cache),) = rows.kept
         assert tokens[len(tokens) - held :] == victim.tokens and cache[0].offset >= len(tokens)
@@ -326,18 +328,61 @@ def test_a_stop_is_reported_before_the_step_in_flight_ends(tiny_model, solo):
         rows.batch.close()
 
 
+def test_a_stop_from_another_thread_is_reported_while_the_worker_reads_the_step(tiny_model, monkeypatch):
+    """The worker lets go of the batch while it waits for the device: a stop asked then is reported at once."""
+    import threading
+
+    from mlx_notebook.generation.decode_batch import DecodeBatch
+
+    rows = _Rows(tiny_model, PROMPTS[:3])
+    victim = rows.gens[2]
+    seen: list[str] = []
+    released = DecodeBatch._released
+
+    def while_released(batch):
+        """In the worker's first released stretch of a step: stop the victim from a thread, wait for it."""
+        with released(batch):
+            if not seen and len(victim.tokens) >= 2:
+                asker = threading.Thread(target=victim.token.cancel)
+                asker.start()
+                asker.join(timeout=30)
+                assert not asker.is_alive(), "the stop waited for the worker"
+                seen.append(str(victim.state))
+            yield
+
+    try:
+        for _ in range(3):
+            rows.step()
+        monkeypatch.setattr(DecodeBatch, "_released", contextlib.contextmanager(while_released))
+        deadline = time.monotonic() + 60
+        while not seen:
+            assert time.monotonic() < deadline, "no step released the batch"
+            rows.step()
+        assert seen == ["stopped"], seen
+        while not all(g.finished for g in rows.gens):
+            assert time.monotonic() < deadline, "the other rows did not finish"
+            rows.step()
+        assert [g.state for g in rows.gens] == ["done", "done", "stopped"]
+    finally:
+        rows.batch.close()
+
+
 def test_a_stop_of_every_row_waits_for_the_step(tiny_model):
-    """No row is reported early when none goes on: the last one is reported after the synchronize."""
+    """A row is reported early only while another goes on: the last one waits for the step and the synchronize."""
     rows = _Rows(tiny_model, PROMPTS[:2])
     try:
         for _ in range(3):
             rows.step()
-        for gen in rows.gens:
-            gen.token.cancel()
-        rows.events.clear()
+        first, last = rows.gens
+        first.token.cancel()  # the other row goes on: reported at once
+        assert first.state == "stopped" and rows.left == [(first.id, None)]
+        last.token.cancel()  # no row goes on: left to the worker
+        assert not last.finished
         rows.step()
-        assert all(g.state == "stopped" for g in rows.gens)
-        assert rows.kept == [] and all(cache is not None for _, cache in rows.left)
+        assert last.state == "stopped"
+        # The last row hands its cache over with its report; the first one's was kept at the step's end.
+        assert rows.left[1][0] == last.id and rows.left[1][1] is not None
+        assert [tokens[-len(first.tokens) :] for tokens, _ in rows.kept] == [first.tokens]
     finally:
         rows.batch.close()
 

@@ -23,21 +23,24 @@ sequence waits to join: then rows change first. While a constrained row
 (``schema=``, ``choices=``, ``regex=``: :mod:`.constraint_matcher`) is in the
 batch no step is built ahead: its mask needs its last token read.
 
-A stop of one row while others go on is reported at once, without waiting
-for the step in flight (:meth:`DecodeBatch._wait`; :meth:`DecodeBatch._detach`
-says why that is honest); the token that step makes for it is dropped and its
-cache is cut out at the step's end. When the last row leaves, the stream is
-synchronized before it is reported, so nothing is left in flight.
+A stop of one row while others go on is reported at once, on the thread that
+asks for it, without waiting for the step in flight (:meth:`DecodeBatch._on_request`;
+:meth:`DecodeBatch._detach` says why that is honest); the token that step makes
+for it is dropped and its cache is cut out at the step's end. When the last
+row leaves, the stream is synchronized before it is reported, so nothing is
+left in flight.
 
 This module never imports IPython or ipywidgets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -57,9 +60,7 @@ from .sampling import Sampler, make_sampler
 from .states import State
 from .stats import FinishReason
 
-# With rows that could leave early, the worker sleeps (awake to requests) for
-# this share of a step before it blocks on reading the step's tokens.
-WAKE_SHARE = 0.85
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,8 +176,11 @@ class DecodeBatch:
         self.stream = stream
         self.on_leave = on_leave
         self.keep = keep
-        # Signalled by every row's requests (a token watcher): see _wait.
-        self._requests = threading.Condition()
+        # Held by the worker while it changes or reports rows, released while
+        # the device works (queueing a step, reading its tokens): a stop asked
+        # meanwhile is reported at once on its own thread (_on_request).
+        # Re-entrant: a request made on the worker thread itself comes back here.
+        self._lock = threading.RLock()
         self.rows: list[Row] = []
         self.ready: list[Row] = []  # prefilled or resumed, joining at the next step
         self.parked: list[Row] = []  # paused outside the batch
@@ -202,6 +206,10 @@ class DecodeBatch:
 
     def add(self, row: Row) -> None:
         """Queue a prefilled row to join at the next step."""
+        with self._lock:
+            self._add(row)
+
+    def _add(self, row: Row) -> None:
         tokenizer = self.loaded.tokenizer
         row.eos = set(tokenizer.eos_token_ids)
         # Each row streams its own text: a copy of the tokenizer's detokenizer, reset.
@@ -218,8 +226,8 @@ class DecodeBatch:
             row.matcher = RowMatcher.for_row(constraint, self.loaded, row.prompt, wait=row.pace.checkpoint)
         if row.tokens:
             self._replay(row)
-        # A stop wakes the worker while it waits for a step (see _wait).
-        row.pace.token.watchers.append(self._poke)
+        # A stop is reported on the thread that asks for it (see _on_request).
+        row.pace.token.watchers.append(self._on_request)
         self.ready.append(row)
 
     def _replay(self, row: Row) -> None:
@@ -240,15 +248,49 @@ class DecodeBatch:
 
     def close(self) -> None:
         """Forget the rows' requests (the session ends)."""
-        for row in self.all_rows():
-            self._unwatch(row)
+        with self._lock:
+            for row in self.all_rows():
+                self._unwatch(row)
 
-    def _poke(self) -> None:
-        with self._requests:
-            self._requests.notify_all()
+    def abandon(self) -> list[Row]:
+        """After a failed step: forget every row and the cache; the rows, for the caller to fail."""
+        with self._lock:
+            rows = self.all_rows()
+            for row in rows:
+                self._unwatch(row)
+            self.rows, self.ready, self.parked = [], [], []
+            self._cache, self._pads, self._y = [], [], None
+            return rows
+
+    def _on_request(self) -> None:
+        """A row's stop, pause or resume, on the thread that asked for it.
+
+        A stop of a row that others outlive is reported here and now (see
+        :meth:`_detach`): the worker holds the lock only while it changes or
+        reports rows, not while the device runs or MLX queues a step, so this
+        waits for at most that bookkeeping, not for the step in flight.
+        """
+        with self._lock:
+            try:
+                self._detach_stopped()
+            except Exception:  # the worker reports the row at its next step instead
+                log.exception("mlx-notebook: reporting a stop early failed")
+
+    @contextlib.contextmanager
+    def _released(self) -> Iterator[None]:
+        """Let go of the lock (held once, by the worker in :meth:`step`) while the device works."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def poll_parked(self) -> None:
         """Re-join resumed rows; end the parked rows that were stopped."""
+        with self._lock:
+            self._poll_parked()
+
+    def _poll_parked(self) -> None:
         for row in list(self.parked):
             token = row.pace.token
             if token.cancelled:
@@ -273,14 +315,18 @@ class DecodeBatch:
 
     def step(self) -> None:
         """Read one token of every row, report it, change rows, queue the next step."""
-        self.poll_parked()
+        with self._lock:
+            self._step()
+
+    def _step(self) -> None:
+        self._poll_parked()
         if self._y is None:
             self._admit()
             if not self.rows:
                 return
-            self._y = self._forward([r.next_token for r in self.rows])
-            mx.async_eval(self._y.arrays())
+            self._queue(self._forward([r.next_token for r in self.rows]))
         y = self._y
+        assert y is not None
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
         nxt = None
         queued = False
@@ -292,19 +338,17 @@ class DecodeBatch:
             # its matcher, so the batch keeps one step in flight while it is in.
             nxt = self._forward(y.tokens)
             if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
-                mx.async_eval(nxt.arrays())
+                with self._released():
+                    mx.async_eval(nxt.arrays())
                 queued = True
-        self._wait(y)
+        with self._released():
+            mx.eval(y.tokens)  # releases the GIL too: a stop asked now is reported on its own thread
         tokens = cast(list[int], y.tokens.tolist())
         now = time.perf_counter()
         if self._last_read and self.steps:
             self._measure(now - self._last_read)
         self._last_read = self.last_step_at = now
         self.steps += 1
-        # Stops that came while the worker built or read this step: reported
-        # before the next step is queued (on CUDA queueing a step of an 8B model
-        # held the worker ~10 ms on an H200 host).
-        self._detach_stopped()
         if nxt is not None and not queued:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
@@ -312,37 +356,12 @@ class DecodeBatch:
             if any(staying):
                 # A row goes on: queue the next step now, before the
                 # reporting, so the device idles only while it is encoded.
-                mx.async_eval(nxt.arrays())
+                with self._released():
+                    mx.async_eval(nxt.arrays())
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
             if not row.detached:  # a detached row's token of this step is dropped
                 self._report(row, tok, more, now, y.logprobs[i])
         self._change_rows(tokens, nxt)
-
-    def _wait(self, y: _Step) -> None:
-        """Before reading step ``y``: report at once the stops of rows that others outlive.
-
-        MLX cannot say whether an array is computed without blocking, and a
-        worker blocked in a read cannot act on a request (evaluating the
-        step on a helper thread instead slowed steps on CUDA from 9 to 15 ms
-        at 8 rows). So the worker sleeps, awake to the rows' requests, until
-        ``WAKE_SHARE`` of a step has passed since the last read, and only
-        then blocks on the read: a stop that lands in the first part is
-        reported at once, one in the rest waits for the rest of the step.
-        When the step ends sooner the device idles until the wake, and the
-        measured step time shrinks toward the device's. With one row there is
-        no sleep: a stop of the only row must wait for its step and the
-        synchronize anyway (invariant 2).
-        """
-        if len(self.rows) < 2:
-            return
-        until = self._last_read + WAKE_SHARE * self.step_s if self.step_s is not None else 0.0
-        with self._requests:
-            while True:
-                self._detach_stopped()
-                left = until - time.perf_counter()
-                if left <= 0:
-                    return
-                self._requests.wait(left)
 
     def _detach_stopped(self) -> None:
         for row in self.rows:
@@ -372,15 +391,15 @@ class DecodeBatch:
         until the step ends; then its rows are cut out (and its prefix kept,
         ``keep``), like any row that leaves.
         """
-        row.detached = True
         self._unwatch(row)
         self._finish(row, FinishReason.STOPPED)
+        row.detached = True
         self.on_leave(row, None, None)
 
     def _unwatch(self, row: Row) -> None:
         watchers = row.pace.token.watchers
-        if self._poke in watchers:
-            watchers.remove(self._poke)
+        if self._on_request in watchers:
+            watchers.remove(self._on_request)
 
     def _report(
         self,
@@ -463,16 +482,20 @@ class DecodeBatch:
                 self._cache, self._pads, self.rows = [], [], []
                 nxt = None
         if nxt is not None:
-            self._y = nxt
-            mx.async_eval(nxt.arrays())  # queued already unless every row was leaving
+            self._queue(nxt)  # queued already unless every row was leaving
             return
         self._y = None
         for row, tok in zip(self.rows, tokens):
             row.next_token = tok
         if self.rows or self.ready:
             self._admit()
-            self._y = self._forward([r.next_token for r in self.rows])
-            mx.async_eval(self._y.arrays())
+            self._queue(self._forward([r.next_token for r in self.rows]))
+
+    def _queue(self, step: _Step) -> None:
+        """Make ``step`` the one in flight and queue it on the device (the lock let go meanwhile)."""
+        self._y = step
+        with self._released():
+            mx.async_eval(step.arrays())
 
     def _take_out(self, row: Row, index: int, nxt: _Step | None, tok: int) -> None:
         """Row ``index`` leaves: parked (pause) or ended (done, stop)."""

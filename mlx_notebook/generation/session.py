@@ -157,8 +157,9 @@ class Session:
             return True
         if not self.batchable:
             return False
-        cap = min([r.generation.request.max_batch for r in self.running] + [job.generation.request.max_batch])
-        return len(self.running) < cap
+        running = list(self.running)  # a stop reported on another thread removes from it
+        cap = min([r.generation.request.max_batch for r in running] + [job.generation.request.max_batch])
+        return len(running) < cap
 
     def _step(self) -> None:
         """One step of every batch with work (in turn: they share the device)."""
@@ -172,13 +173,10 @@ class Session:
         except Exception as exc:  # an MLX error: every row of the batch fails
             log.debug("decode step failed", exc_info=True)
             self._synchronize_quietly()
-            rows = batch.all_rows()
             # Their tokens' watchers would keep the batch, and through it the model and its prompt cache, alive.
-            batch.close()
-            batch.rows, batch.ready, batch.parked = [], [], []
-            batch._cache, batch._pads, batch._y = [], [], None
-            for row in rows:
-                self._end(row.sink, State.FAILED, exc)
+            for row in batch.abandon():
+                if not row.detached:  # a detached row was reported stopped already
+                    self._end(row.sink, State.FAILED, exc)
         for row in batch.rows:
             row.sink.stats.batch_size = max(row.sink.stats.batch_size, len(batch.rows))
 
