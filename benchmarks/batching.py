@@ -307,7 +307,7 @@ class Trace:
         self.wrap(pieces.LayerRunner, "run", "chunk")
         self.wrap(pieces.ChunkRunner, "run", "chunk")
         self.wrap(pieces.LayerRunner, "_hook", "hook")
-        self.wrap(session.Session, "_between", "between")
+        self.wrap(session.Session, "between", "between")
         self.wrap(prefill.mx, "clear_cache", "clear_cache")
         self.wrap(session, "prepare_prompt", "prepare")
         self.wrap(batch_cache, "extend", "extend")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,8 @@ class _Entry:
         return (self.kv, self.tokens)
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -105,7 +107,7 @@ class PromptCache:
             for entry in self._entries.values():
                 if entry.kv != kv.key():
                     continue
-                n = min(_common_prefix(entry.tokens, prompt), usable_max)
+                n = min(common_prefix(entry.tokens, prompt), usable_max)
                 if _quantized(entry.cache) and n < kv.quantized_start:
                     continue
                 if n > best_n:

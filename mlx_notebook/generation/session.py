@@ -42,7 +42,7 @@ from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings, quantized_kv_supported
 from .persist import load_seed
 from .prefill import prefill
-from .prefix_cache import KV_STEP, PromptCache, restore, storable, trimmed
+from .prefix_cache import KV_STEP, PromptCache, common_prefix, restore, storable, trimmed
 from .prompt import prepare_prompt
 from .states import State
 from .stats import FinishReason
@@ -216,7 +216,7 @@ class Session:
             gen.request.stop_budget,
             on_pause=hooks.on_pause,
             on_resume=hooks.on_resume,
-            between=self._between,
+            between=self.between,
             while_paused=self._while_paused,
             shared=self._streaming,
         )
@@ -285,7 +285,7 @@ class Session:
         cached = 0
         if seed is not None and seed.tokens:
             cache = load_seed(seed, loaded, kv, pace)
-            common = min(_common_prefix(seed.tokens, fed), len(fed) - 1)
+            common = min(common_prefix(seed.tokens, fed), len(fed) - 1)
             if common < len(seed.tokens):
                 if not storable(cache):
                     cache, common = None, 0  # a rotating cache cannot be cut back: read the prompt
@@ -336,13 +336,9 @@ class Session:
         return any(b.rows for b in self.batches.values())
 
     def between(self) -> None:
-        """The others' steps between two pieces of an inline call (a save), as between prefill pieces."""
-        self._between()
-
-    def _between(self) -> None:
         """At a prefill piece boundary: one decode step of the others, when they need one.
 
-        Only for rows that stream already: rows still waiting for their first
+        Also between two pieces of an inline call (a save). Only for rows that stream already: rows still waiting for their first
         token (generations submitted together) wait until the prompts queued
         with them are prefilled, then all start decoding together, as
         mlx-lm's batch generator does. And at most one step per half budget:
@@ -433,11 +429,3 @@ def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
     raise InvalidArgumentError(
         f"kv_group_size {request.kv_group_size} does not divide the model's head size {head_dim}: {fix}"
     )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
