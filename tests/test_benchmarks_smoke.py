@@ -20,3 +20,26 @@ def test_sampling_benchmark_runs(tiny_model, tmp_path, monkeypatch, capsys):
         assert m["tokens"] == [3], name  # EOS off: every run decodes every token, ours and mlx-lm's
         assert m["ratio"] > 0, name
     assert "| greedy |" in capsys.readouterr().out
+
+
+def test_structured_benchmark_runs_the_synthetic_path(tiny_model, tmp_path, monkeypatch, capsys):
+    # --synthetic's path (no extraction, stop rounds) on the tiny model instead of a build,
+    # with neither pydantic nor jsonschema importable: the GPU machine has neither.
+    from benchmarks import structured
+
+    monkeypatch.setattr(structured, "build_synthetic", lambda name, folder: tiny_model)
+    monkeypatch.setitem(sys.modules, "pydantic", None)
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    out = tmp_path / "structured.json"
+    argv = ["structured", "--synthetic", "qwen3-tiny", "--build-dir", str(tmp_path), "--rows", "2", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--max-tokens", "24", "--stop-rounds", "2", "--json", str(out)])
+    structured.main()
+    result = json.loads(out.read_text())
+    assert "extraction" not in result
+    pair = result["decode"]["pairs"][0]
+    assert pair["unconstrained_tokens"] == pair["tokens"] > 0
+    assert result["decode"]["ratio_median"] > 0 and result["decode"]["batched_ratio_median"] > 0
+    assert result["mask"]["mask_ms"]["n"] == 3 * pair["tokens"]
+    stop = result["stop_one_constrained_row_ms"]
+    assert stop["rounds"] == 2 and stop["max"] >= stop["p50"] > 0
+    assert "stop one constrained row of 2" in capsys.readouterr().out
