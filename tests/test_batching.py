@@ -10,7 +10,6 @@ tokens.
 from __future__ import annotations
 
 import contextlib
-
 import random
 import time
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Literal
 
 import jsonschema
@@ -173,6 +174,40 @@ def test_constrained_and_unconstrained_rows_of_one_batch_give_their_solo_tokens(
     assert [g.tokens for g in gens] == solos
     jsonschema.validate(gens[0].parsed, TAGS)
     assert gens[2].parsed in ("yes", "no", "maybe later")
+
+
+def _tokens_or_end(gen, n: int, timeout: float = 60.0) -> None:
+    """Until ``gen`` holds ``n`` tokens or ends (the other rows go on while one is paused)."""
+    deadline = time.monotonic() + timeout
+    while len(gen.tokens) < n and not gen.finished:
+        assert time.monotonic() < deadline, f"generation #{gen.id} neither moved nor ended"
+        gen.wait(timeout=0.05)
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "seeded"])
+def test_pause_of_one_constrained_row_in_a_batch_resumes_exactly(worker, tiny_model, sampling):
+    """Beside other rows, a constrained row's next forward is built ahead of its mask: a pause gives it back."""
+    options = [{"schema": TAGS}, {"choices": ["yes", "no", "maybe later"]}, {}]
+    solos = [
+        run(worker, tiny_model, p, max_tokens=60, max_batch=1, **o, **sampling).tokens for p, o in zip(PROMPTS, options)
+    ]
+    worker.prompt_cache_gb = 0
+    try:
+        gens = [
+            mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=60, **o, **sampling)
+            for p, o in zip(PROMPTS, options)
+        ]
+        wait_tokens(gens[0], 4)
+        gens[0].pause()
+        at = assert_stays_paused(gens[0], lambda: _tokens_or_end(gens[2], len(gens[2].tokens) + 2))
+        assert 0 < at < len(solos[0]), "the pause did not land inside the value"
+        gens[0].resume()
+        for gen in gens:
+            gen.result(timeout=120)
+    finally:
+        worker.prompt_cache_gb = 2
+    assert max(g.stats.batch_size for g in gens) > 1, "the generations never decoded together"
+    assert [g.tokens for g in gens] == solos
 
 
 def test_generate_many_with_a_schema_parses_every_row_and_makes_a_table(worker, tiny_model):

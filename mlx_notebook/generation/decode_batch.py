@@ -21,7 +21,10 @@ the tightest budget in the batch. Otherwise the next step is queued as soon
 as the tokens are read, unless a row has a stop or pause waiting or a
 sequence waits to join: then rows change first. While a constrained row
 (``schema=``, ``choices=``, ``regex=``: :mod:`.constraint_matcher`) is in the
-batch no step is built ahead: its mask needs its last token read.
+batch only the next step's forward is built ahead: its mask needs its last
+token read, so the forward is queued at the read and runs on the device while
+the matchers (one request per step to the llguidance process, masks filled in
+parallel there) compute the masks; then the sampling is queued.
 
 A stop of one row while others go on is reported at once, on the thread that
 asks for it, without waiting for the step in flight (:meth:`DecodeBatch._on_request`;
@@ -52,7 +55,7 @@ from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
-from .constraint_matcher import RowMatcher, mask_logits
+from .constraint_matcher import RowMatcher, advance_rows, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
 from .request import GenerationRequest
@@ -328,19 +331,25 @@ class DecodeBatch:
         y = self._y
         assert y is not None
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
-        nxt = None
+        nxt = None  # the next step, built ahead
+        ahead = None  # with a constrained row: the next step's logits, built ahead (sampled after the masks)
         queued = False
-        if any(continuing) and not self.ready and not any(r.matcher is not None for r in self.rows):
-            # The next step's graph is built while the device computes ``y``
-            # (as mlx-lm does); it is queued before ``y`` is read only while
-            # two steps fit the budget (see the module's docstring). Not with a
-            # constrained row: its next mask needs ``y``'s token read and fed to
-            # its matcher, so the batch keeps one step in flight while it is in.
-            nxt = self._forward(y.tokens)
-            if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
-                with self._released():
-                    mx.async_eval(nxt.arrays())
-                queued = True
+        if any(continuing) and not self.ready:
+            if any(r.matcher is not None for r in self.rows):
+                # A constrained row's next mask needs ``y``'s token read and fed
+                # to its matcher: only the forward is built ahead, queued right
+                # after the read, and the device runs it while the host feeds
+                # the matchers and gets their masks; the sampling waits for them.
+                ahead = self._logits(y.tokens)
+            else:
+                # The next step's graph is built while the device computes ``y``
+                # (as mlx-lm does); it is queued before ``y`` is read only while
+                # two steps fit the budget (see the module's docstring).
+                nxt = self._forward(y.tokens)
+                if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
+                    with self._released():
+                        mx.async_eval(nxt.arrays())
+                    queued = True
         with self._released():
             mx.eval(y.tokens)  # releases the GIL too: a stop asked now is reported on its own thread
         tokens = cast(list[int], y.tokens.tolist())
@@ -349,7 +358,7 @@ class DecodeBatch:
             self._measure(now - self._last_read)
         self._last_read = self.last_step_at = now
         self.steps += 1
-        if nxt is not None and not queued:
+        if (nxt is not None and not queued) or ahead is not None:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
             ]
@@ -357,11 +366,13 @@ class DecodeBatch:
                 # A row goes on: queue the next step now, before the
                 # reporting, so the device idles only while it is encoded.
                 with self._released():
-                    mx.async_eval(nxt.arrays())
+                    mx.async_eval(nxt.arrays() if nxt is not None else ahead)
+        # Constrained rows' tokens to their matchers, one request per step: the masks come back together.
+        advance_rows([(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached])
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
             if not row.detached:  # a detached row's token of this step is dropped
                 self._report(row, tok, more, now, y.logprobs[i])
-        self._change_rows(tokens, nxt)
+        self._change_rows(tokens, nxt, ahead)
 
     def _detach_stopped(self) -> None:
         for row in self.rows:
@@ -410,9 +421,7 @@ class DecodeBatch:
         logprobs: tuple[mx.array, mx.array, mx.array] | None,
     ) -> None:
         stats = row.sink.stats
-        row.tokens.append(tok)
-        if row.matcher is not None:
-            row.matcher.advance(tok)  # now, so that the next step's mask can be computed
+        row.tokens.append(tok)  # a constrained row's matcher was fed it already (step: advance_rows)
         if row.first_token_at is None:
             row.first_token_at = now
             stats.ttft_s = now - row.start
@@ -462,8 +471,13 @@ class DecodeBatch:
         row.held = text[len(text) - keep :] if keep else ""
         row.sink.emit_split(token_ids, thought, text[: len(text) - keep])
 
-    def _change_rows(self, tokens: list[int], nxt: _Step | None) -> None:
-        """Drop finished, stopped and paused rows; admit the ready ones; queue the next step."""
+    def _change_rows(self, tokens: list[int], nxt: _Step | None, ahead: mx.array | None = None) -> None:
+        """Drop finished, stopped and paused rows; admit the ready ones; queue the next step.
+
+        ``nxt`` is the next step if it was built ahead; ``ahead`` its logits
+        only (a constrained row in the batch): either way the cache holds one
+        more position per row, which a pausing row gives back.
+        """
         leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
         if leaving:
             keep = [i for i in range(len(self.rows)) if i not in leaving]
@@ -472,17 +486,28 @@ class DecodeBatch:
                 # row is reported (a stop-all, an interrupt, a pause of all).
                 mx.synchronize(self.stream)
             for i in leaving:
-                self._take_out(self.rows[i], i, nxt, tokens[i])
+                self._take_out(
+                    self.rows[i],
+                    i,
+                    tokens[i],
+                    built_ahead=nxt is not None or ahead is not None,
+                    sampled=nxt is not None,
+                )
             if keep:
                 self._keep(keep)
                 if nxt is not None:
                     nxt = nxt.rows(keep)
+                if ahead is not None and len(keep) < ahead.shape[0]:
+                    ahead = ahead[mx.array(keep)]
                 tokens = [tokens[i] for i in keep]
             else:
                 self._cache, self._pads, self.rows = [], [], []
-                nxt = None
+                nxt = ahead = None
         if nxt is not None:
             self._queue(nxt)  # queued already unless every row was leaving
+            return
+        if ahead is not None:
+            self._queue(self._sample(ahead))  # the forward is queued already; now its masks and sampling
             return
         self._y = None
         for row, tok in zip(self.rows, tokens):
@@ -497,8 +522,13 @@ class DecodeBatch:
         with self._released():
             mx.async_eval(step.arrays())
 
-    def _take_out(self, row: Row, index: int, nxt: _Step | None, tok: int) -> None:
-        """Row ``index`` leaves: parked (pause) or ended (done, stop)."""
+    def _take_out(self, row: Row, index: int, tok: int, *, built_ahead: bool, sampled: bool) -> None:
+        """Row ``index`` leaves: parked (pause) or ended (done, stop).
+
+        ``built_ahead``: the next step's forward was built (its position of
+        keys and values is in the cache); ``sampled``: its sampling too (the
+        row's key was split for it).
+        """
         single = self._cache if len(self.rows) == 1 else batch_cache.extract(self._cache, self._pads, index)
         if row.detached:
             # Reported already; its cache holds its prompt and read tokens (and
@@ -510,11 +540,12 @@ class DecodeBatch:
             return
         token = row.pace.token
         if row.finish is None and token.pause_requested and not token.cancelled:
-            if nxt is not None:
+            if built_ahead:
                 # Drop this row's share of the step queued after ``tok``:
                 # undo its key split and trim ``tok``'s keys and values, so
                 # that resume computes exactly that step again.
-                row.sample.undo()
+                if sampled:
+                    row.sample.undo()
                 for layer in single:
                     layer.trim(1)
             row.next_token = tok
@@ -613,6 +644,10 @@ class DecodeBatch:
         ``inputs`` is a list of read tokens, or the previous step's tokens
         before they are read (a step built while the device computes that one).
         """
+        return self._sample(self._logits(inputs))
+
+    def _logits(self, inputs: list[int] | mx.array) -> mx.array:
+        """A step's forward for every row, to its processed logits (lazy); see :meth:`_forward`."""
         pending = isinstance(inputs, mx.array)
         if not isinstance(inputs, mx.array):
             inputs = mx.array(inputs, dtype=mx.uint32)
@@ -633,12 +668,19 @@ class DecodeBatch:
                     for i, r in enumerate(self.rows)
                 ]
             )
+        return logits
+
+    def _sample(self, logits: mx.array) -> _Step:
+        """A step's tokens (and kept log-probabilities) from its logits (lazy); constrained rows masked first."""
         if any(r.matcher is not None for r in self.rows):
-            # Constrained rows (never built ahead: their last token is read and fed).
-            # The forward is queued first, so the host computes the masks while the
-            # device runs it; only the sampling below waits for them.
-            mx.async_eval(logits)
-            logits = mask_logits(logits, [r.matcher for r in self.rows])
+            # The forward is queued first (already, when built ahead), so the
+            # device runs it while the host waits for the matchers' masks (the
+            # lock let go: a stop meanwhile is reported at once); only the
+            # sampling below waits for them.
+            matchers = [r.matcher for r in self.rows]
+            with self._released():
+                mx.async_eval(logits)
+                logits = mask_logits(logits, matchers)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if len(self.rows) == 1:
             tokens = self.rows[0].sample(logprobs)

@@ -15,7 +15,7 @@ that imports only llguidance and the standard library), which reads
 ``tokenizer.json`` itself. This process keeps :class:`GrammarProcess`, a
 client: while the child builds, the caller polls its pipe and calls ``wait()``
 (a pace's checkpoint) at least every ``_POLL_S``, so a stop or pause acts at
-once; per token, one request per constrained row:
+once; per token, one request per constrained row, or one per batch step:
 
 * ``advance`` sends the row's token and returns; the child consumes it, sends
   an acknowledgement (whether the grammar is complete, or its error) at once,
@@ -23,7 +23,10 @@ once; per token, one request per constrained row:
   19 KB for 152k tokens);
 * :meth:`GrammarProcess.done` reads the acknowledgement, :meth:`GrammarProcess.mask`
   the mask: the child computes it while this process reports the token and
-  queues the next forward, in parallel (no GIL shared).
+  queues the next forward, in parallel (no GIL shared);
+* :meth:`GrammarProcess.advance_many` sends a batch step's tokens in one
+  request: the child acknowledges them all in one reply, then fills all
+  their masks at once on llguidance's threads (``fill_next_token_bitmask_par``).
 
 Replies come in request order; a read for one row first files away the replies
 queued before it. The child ends when its client is garbage collected, at
@@ -130,11 +133,39 @@ def _serve() -> None:
         llguidance.numpy.fill_next_token_bitmask(matchers[row], bits, 0)
         _send(out, bits.tobytes())
 
+    executor = llguidance.LLExecutor()
+
+    def advance_many(pairs: list[tuple[int, int]]) -> None:
+        """A batch's step: every row's token consumed, their acknowledgements, then their masks, filled in parallel."""
+        acks: list[tuple] = []
+        ok: list[tuple[Any, int]] = []
+        for i, (row, token) in enumerate(pairs):
+            try:
+                matcher = matchers[row]
+                matcher.consume_token(token)
+                if matcher.is_error():
+                    acks.append(("error", matcher.get_error()))
+                else:
+                    acks.append(("ok", bool(matcher.is_stopped())))
+                    ok.append((matcher, i))
+            except BaseException as exc:  # a bug: say it, keep serving the other rows
+                acks.append(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+        _send(out, acks)
+        many = llguidance.numpy.allocate_token_bitmask(len(pairs), tokenizer.vocab_size)
+        if ok:
+            # Rust threads, without the GIL: 8 rows of a 152k vocabulary cost about one row's time.
+            llguidance.numpy.fill_next_token_bitmask_par(executor, ok, many)
+        filled = {i for _, i in ok}
+        _send(out, [many[i].tobytes() if i in filled else b"" for i in range(len(pairs))])
+
     while True:
         try:
             op, row, arg = _recv(inp)
         except EOFError:
             return
+        if op == "many":
+            advance_many(arg)
+            continue
         try:
             if op == "free":
                 matchers.pop(row, None)
@@ -191,8 +222,8 @@ class GrammarProcess:
         self.whitespace = b""  # the whitespace-only tokens, a bitmask like :meth:`mask`'s
         self._error: str | None = None
         self._rows = 0
-        # The replies not read yet, in order: (row, "ack" | "mask").
-        self._expected: collections.deque[tuple[int, str]] = collections.deque()
+        # The replies not read yet, in order: (row or rows, "ack" | "mask").
+        self._expected: collections.deque[tuple[int | tuple[int, ...], str]] = collections.deque()
         self._acks: dict[int, tuple] = {}  # each row's last acknowledgement
         self._masks: dict[int, bytes] = {}  # each row's next-token mask
         self._freed: list[int] = []  # rows whose matcher was dropped (sent with the next request)
@@ -270,6 +301,25 @@ class GrammarProcess:
         with self._lock:
             self._request("advance", row, token)
 
+    def advance_many(self, pairs: list[tuple[int, int]]) -> None:
+        """Feed several rows their tokens in one request (a batch's step; returns at once).
+
+        The child answers with every row's acknowledgement, then every row's
+        next mask, computed in parallel: one round trip per step instead of
+        one per row, each waiting for the masks of the rows before it.
+        """
+        if not pairs:
+            return
+        with self._lock:
+            self._drop_freed()
+            rows = tuple(row for row, _ in pairs)
+            for row in rows:
+                self._acks.pop(row, None)
+                self._masks.pop(row, None)
+            self._expected.append((rows, "ack"))
+            self._expected.append((rows, "mask"))
+            self._write(("many", 0, list(pairs)))
+
     def done(self, row: int) -> bool:
         """Whether ``row``'s grammar is complete after its last token.
 
@@ -294,13 +344,16 @@ class GrammarProcess:
 
     # -- the pipe (callers hold the lock) ----------------------------------------------------
 
-    def _request(self, op: str, row: int, arg: Any) -> None:
+    def _drop_freed(self) -> None:
         while self._freed:
             gone = self._freed.pop()
             self._live.discard(gone)
             self._acks.pop(gone, None)
             self._masks.pop(gone, None)
             self._write(("free", gone, None))
+
+    def _request(self, op: str, row: int, arg: Any) -> None:
+        self._drop_freed()
         # Every "new" and "advance" gets two replies: the acknowledgement, then the mask.
         self._acks.pop(row, None)
         self._masks.pop(row, None)
@@ -323,9 +376,13 @@ class GrammarProcess:
         while self._expected:
             who, what = self._expected.popleft()
             reply = self._read()
-            if who in self._live:
-                (self._acks if what == "ack" else self._masks)[who] = reply
-            if who == row and what == kind:
+            # One row's reply, or a list of them for a step of several rows (advance_many).
+            rows, replies = (who, reply) if isinstance(who, tuple) else ((who,), [reply])
+            filed = self._acks if what == "ack" else self._masks
+            for one, answer in zip(rows, replies):
+                if one in self._live:
+                    filed[one] = answer
+            if row in rows and what == kind:
                 return
         raise GrammarProcessError(f"structured output: no {kind} pending for row {row} (a bug)")
 
