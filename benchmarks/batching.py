@@ -221,11 +221,13 @@ def wait_decoding(gens, n=2):
         time.sleep(0.0005)
 
 
-def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None):
+def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None, detail=None, gil=None):
     """Latencies of stopping one row while the others decode, and the batch's step times.
 
     ``options``: more keyword arguments of every row's ``generate`` (e.g. ``schema=``: the
     rows must still decode ~0.2 s after they all started, so a constraint's value must be long).
+    ``detail``: a list that gets one dict per round (where the latency went); ``gil``: a
+    :class:`benchmarks.bench.GilSampler` whose longest hold in each stop goes there too.
     """
     latencies, steps, worker_side = [], [], []
     early = 0
@@ -242,11 +244,25 @@ def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None):
         victim = rng.choice(gens)
         ended: list[float] = []
         victim.add_listener(lambda e: ended.append(time.perf_counter()) if e.kind == "state" else None)
+        state = str(victim.state)
         t0 = time.perf_counter()
         victim.cancel()
+        t1 = time.perf_counter()
         victim.wait()
-        latencies.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        latencies.append(t2 - t0)
         worker_side.append(victim.stats.stop_latency_s or 0.0)
+        if detail is not None:
+            detail.append(
+                {
+                    "ms": round(1000 * (t2 - t0), 3),
+                    "in_cancel_ms": round(1000 * (t1 - t0), 3),
+                    "worker_side_ms": round(1000 * (victim.stats.stop_latency_s or 0.0), 3),
+                    "longest_gil_ms": round(gil.longest_ms(t0, t2), 3) if gil is not None else None,
+                    "state": state,
+                    "tokens": len(victim.tokens),
+                }
+            )
         # Reported before any other row got a token after the stop: it did not wait for the step.
         early += all(not (t0 < x < ended[-1]) for g in gens if g is not victim for x in clock.times[g.id])
         assert all(not g.finished for g in gens if g is not victim), "a stop ended another row"

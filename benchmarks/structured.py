@@ -55,7 +55,7 @@ from typing import Any
 import mlx.core as mx
 
 from benchmarks.batching import stop_one_rounds
-from benchmarks.bench import SYNTHETIC, build_synthetic, percentile, save, summary
+from benchmarks.bench import SYNTHETIC, GilSampler, build_synthetic, percentile, save, summary
 from mlx_notebook.generation.constraint_matcher import RowMatcher, ll_tokenizer
 from mlx_notebook.generation.request import GenerationRequest
 
@@ -235,9 +235,22 @@ def stops(
 ) -> dict[str, Any]:
     """Stop one of ``rows`` constrained rows while the others decode (``benchmarks.batching``'s method)."""
     prompts = [f"{LONG_PROMPT} ({i + 1})" for i in range(rows)]
-    lat, steps, worker_side, early = stop_one_rounds(
-        worker, model, prompts, budget, rounds, random.Random(seed), options={"schema": ENDLESS}
-    )
+    detail: list[dict[str, Any]] = []
+    gil = GilSampler()
+    try:
+        lat, steps, worker_side, early = stop_one_rounds(
+            worker,
+            model,
+            prompts,
+            budget,
+            rounds,
+            random.Random(seed),
+            options={"schema": ENDLESS},
+            detail=detail,
+            gil=gil,
+        )
+    finally:
+        gil.close()
     p99 = 1000 * percentile(lat, 99)
     return {
         "rows": rows,
@@ -251,6 +264,7 @@ def stops(
         "worker_side_p50": 1000 * percentile(worker_side, 50),
         "worker_side_p99": 1000 * percentile(worker_side, 99),
         "reported_before_the_others_next_token": early,
+        "rounds_detail": detail,
     }
 
 
