@@ -358,6 +358,9 @@ class DecodeBatch:
             self._measure(now - self._last_read)
         self._last_read = self.last_step_at = now
         self.steps += 1
+        # Constrained rows' tokens to their matchers, one request per step, first: the
+        # llguidance process fills the masks while the next forward is queued and run.
+        advance_rows([(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached])
         if (nxt is not None and not queued) or ahead is not None:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
@@ -367,8 +370,6 @@ class DecodeBatch:
                 # reporting, so the device idles only while it is encoded.
                 with self._released():
                     mx.async_eval(nxt.arrays() if nxt is not None else ahead)
-        # Constrained rows' tokens to their matchers, one request per step: the masks come back together.
-        advance_rows([(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached])
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
             if not row.detached:  # a detached row's token of this step is dropped
                 self._report(row, tok, more, now, y.logprobs[i])
