@@ -40,6 +40,15 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     return out
 
 
+@pytest.fixture(scope="module")
+def converted(families: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family -> its GGUF converted once (each conversion is ~20 s on a 2-core CPU), for the tests that read it."""
+    return {
+        family: gguf.convert_gguf(families[family][0], tmp_path_factory.mktemp(f"{family}-converted"))
+        for family in FAMILIES
+    }
+
+
 def _reference_logits(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> np.ndarray:
     """The same weights (rounded to float16, as the file stores them) as a plain mlx-lm folder."""
     from mlx_lm.utils import load_model
@@ -53,17 +62,17 @@ def _reference_logits(folder: Path, config: dict[str, Any], weights: dict[str, A
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_converts_to_the_same_model(tmp_path: Path, families: dict, family: str) -> None:
+def test_family_converts_to_the_same_model(tmp_path: Path, families: dict, converted: dict, family: str) -> None:
     from mlx_lm.utils import load_model
 
-    path, config, weights = families[family]
-    folder = gguf.convert_gguf(path, tmp_path / "converted")
-    converted = json.loads((folder / "config.json").read_text())
-    assert converted["model_type"] == config["model_type"]
-    assert converted["head_dim"] == config["head_dim"]  # Qwen3: 32, not hidden / heads = 16
+    _, config, weights = families[family]
+    folder = converted[family]
+    written = json.loads((folder / "config.json").read_text())
+    assert written["model_type"] == config["model_type"]
+    assert written["head_dim"] == config["head_dim"]  # Qwen3: 32, not hidden / heads = 16
     # Only the llama architecture has its q/k rows permuted by llama.cpp.
-    assert converted["rope_traditional"] == (family == "mistral")
-    assert converted["tie_word_embeddings"] == config["tie_word_embeddings"]
+    assert written["rope_traditional"] == (family == "mistral")
+    assert written["tie_word_embeddings"] == config["tie_word_embeddings"]
     model, _ = load_model(folder)
     got = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
     want = _reference_logits(tmp_path / "reference", config, weights)
@@ -71,21 +80,19 @@ def test_family_converts_to_the_same_model(tmp_path: Path, families: dict, famil
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_qwen_tokenizer_matches_the_source(tmp_path: Path, families: dict, family: str) -> None:
+def test_qwen_tokenizer_matches_the_source(converted: dict, family: str) -> None:
     from tokenizers import Tokenizer
 
     source = Tokenizer.from_str(json.dumps(gw.family_tokenizer(family)))
-    folder = gguf.convert_gguf(families[family][0], tmp_path / "converted")
-    converted = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    read = Tokenizer.from_file(str(converted[family] / "tokenizer.json"))
     for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
-        assert converted.encode(text).ids == source.encode(text).ids, text
+        assert read.encode(text).ids == source.encode(text).ids, text
 
 
-def test_mistral_tokenizer_and_template(tmp_path: Path, families: dict) -> None:
+def test_mistral_tokenizer_and_template(converted: dict) -> None:
     import mlx_lm
 
-    folder = gguf.convert_gguf(families["mistral"][0], tmp_path / "converted")
-    _, tok = mlx_lm.load(str(folder), lazy=True)
+    _, tok = mlx_lm.load(str(converted["mistral"]), lazy=True)
     ids = tok.encode("[INST]hi[/INST]")
     assert tok.convert_ids_to_tokens([ids[0], ids[1], ids[-1]]) == [
         "<s>",

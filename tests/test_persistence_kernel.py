@@ -39,26 +39,30 @@ def ok(session: KernelSession, code: str, timeout: float = 300.0) -> str:
     return reply.stream("stdout")
 
 
-@pytest.mark.parametrize("flags", FLAGS)
-def test_a_paused_generation_resumes_after_a_kernel_restart(model_name: str, tmp_path, flags: str) -> None:
-    path = tmp_path / "story.safetensors"
+def test_paused_generations_resume_after_a_kernel_restart(model_name: str, tmp_path) -> None:
+    """Greedy, seeded and quantized-KV generations paused and saved in one kernel, resumed after one restart."""
+    references, paths = {}, {}
     with start_kernel(model_name, text=True) as session:
-        ok(session, f"%%mlxgen -n 48 -o ref --wait {flags}\n{PROMPT}")
-        reference = session.eval("ref.tokens")
-        assert len(reference) == 48
-        ok(session, f"%%mlxgen -n 48 -o gen {flags}\n{PROMPT}")
-        session.wait_until(lambda: session.eval("len(gen.tokens)") >= 20, 120, "20 tokens")
-        ok(session, "gen.pause()")
-        session.wait_until(lambda: session.eval("gen.state") == "paused", 60, "paused")
-        at = session.eval("len(gen.tokens)")
-        assert at < 48
-        out = ok(session, f"%mlxgen_save {session.eval('gen.id')} {path}")
-        assert "saved to" in out, out
+        for i, flags in enumerate(FLAGS):
+            name = flags.id
+            paths[name] = tmp_path / f"story-{name}.safetensors"
+            ok(session, f"%%mlxgen -n 48 -o ref{i} --wait {flags.values[0]}\n{PROMPT}")
+            references[name] = session.eval(f"ref{i}.tokens")
+            assert len(references[name]) == 48, name
+            ok(session, f"%%mlxgen -n 48 -o gen{i} {flags.values[0]}\n{PROMPT}")
+            session.wait_until(lambda i=i: session.eval(f"len(gen{i}.tokens)") >= 20, 120, f"20 tokens ({name})")
+            ok(session, f"gen{i}.pause()")
+            session.wait_until(lambda i=i: session.eval(f"gen{i}.state") == "paused", 60, f"paused ({name})")
+            assert session.eval(f"len(gen{i}.tokens)") < 48, name
+            out = ok(session, f"%mlxgen_save {session.eval(f'gen{i}.id')} {paths[name]}")
+            assert "saved to" in out, (name, out)
         restart(session, model_name)
-        ok(session, f"%mlxgen_resume {path} -o again --wait")
-        assert session.eval("again.state") == "done"
-        assert session.eval("again.tokens") == reference
-        assert session.eval("again.stats.cached_tokens") > 0
+        for i, flags in enumerate(FLAGS):
+            name = flags.id
+            ok(session, f"%mlxgen_resume {paths[name]} -o again{i} --wait")
+            assert session.eval(f"again{i}.state") == "done", name
+            assert session.eval(f"again{i}.tokens") == references[name], name
+            assert session.eval(f"again{i}.stats.cached_tokens") > 0, name
 
 
 def test_a_chat_saved_with_its_kv_answers_turn_11_from_it_after_a_restart(model_name: str, tmp_path) -> None:

@@ -23,7 +23,8 @@ SETUP = [
     "    city: Literal['Paris', 'Lisbon', 'Rome']\n"
     "    year: int = Field(ge=1000, le=2100)\n"
     "df = pd.DataFrame({'text': ['The fire of 1755', 'A summer in Rome', 'Paris, again'], 'n': [1, 2, 3]})\n"
-    "moods = pd.DataFrame({'review': [f'review number {i}' for i in range(12)]})"
+    "moods = pd.DataFrame({'review': [f'review number {i}' for i in range(50)]})\n"
+    "tags = {'type': 'array', 'items': {'type': 'string', 'maxLength': 8}, 'minItems': 20, 'maxItems': 20}"
 ]
 BODY = "Where and when? {item.text} (row {item[n]})"
 CHOICES = ("positive", "negative", "mixed")
@@ -73,6 +74,7 @@ def test_schema_map_over_a_dataframe_fills_the_table(kernel: KernelSession) -> N
 
 
 def test_choices_over_a_dataframe_headless_prints_the_table(kernel: KernelSession) -> None:
+    """50 rows of a DataFrame in one cell: every answer one of the choices, the table printed, the frame right."""
     reply = kernel.execute(
         f"%%mlxgen --map moods --choices {','.join(CHOICES)} -n 20 -t 0.9 --seed 2 --plain --wait -o m\n"
         "Is this positive, negative or mixed? {item.review}"
@@ -84,6 +86,7 @@ def test_choices_over_a_dataframe_headless_prints_the_table(kernel: KernelSessio
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split() == ["#", "value", "state", "error"])
     parsed = kernel.eval("m.parsed")
+    assert len(parsed) == 50
     for i, value in enumerate(parsed):
         assert lines[header + 1 + i].split()[:2] == [str(i), value]
 
@@ -103,3 +106,35 @@ def test_one_generation_with_schema_and_bad_flags(kernel: KernelSession) -> None
     ]:
         message = one_line_usage_error(kernel.execute(f"%%mlxgen {line}\nHi"))
         assert expected in message, (line, message)
+
+
+def test_pause_mid_object_resumes_exactly_and_a_stop_keeps_the_text(kernel: KernelSession) -> None:
+    """In the kernel: Pause inside a schema's value holds (another cell runs meanwhile), Resume gives the
+    uninterrupted run's tokens; Stop inside the value keeps the text and names the cause on ``parsed``."""
+    cell = "%%mlxgen --schema tags -n 400 {}-o {}\nList twenty words."
+    reply = kernel.execute(cell.format("--wait ", "whole"))
+    assert reply.ok, reply.content
+    reference = kernel.eval("whole.tokens")
+    assert kernel.eval("str(whole.stats.finish_reason)") == "grammar" and len(reference) > 40
+
+    for name in ("part", "cut"):
+        assert kernel.execute(cell.format("", name)).ok
+        kernel.wait_until(lambda name=name: kernel.eval(f"len({name}.tokens)") >= 2, 120, "two tokens")
+        assert kernel.execute(f"{name}.pause()").ok
+        kernel.wait_until(lambda name=name: kernel.eval(f"{name}.state") == "paused", 60, "paused")
+        held = kernel.eval(f"{name}.tokens")
+        assert 0 < len(held) < len(reference), "the pause did not land inside the value"
+        assert held == reference[: len(held)]
+        # Another generation runs to its end on the same worker while this one is parked.
+        assert kernel.execute("%%mlxgen -n 8 --wait -o other\nHello").ok
+        assert kernel.eval(f"({name}.state, {name}.tokens)") == ("paused", held)
+
+    assert kernel.execute("part.resume(); part.result(timeout=120)").ok
+    assert kernel.eval("part.tokens") == reference
+
+    assert kernel.execute("cut.stop(); cut.wait(60)").ok
+    assert kernel.eval("cut.state") == "stopped"
+    assert kernel.eval("cut.text") != ""
+    reply = kernel.execute("cut.parsed")
+    assert not reply.ok
+    assert "stopped" in reply.content.get("evalue", ""), reply.content

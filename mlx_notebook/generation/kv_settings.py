@@ -22,7 +22,10 @@ decode step, in mlx-lm's own ``stream_generate`` as well:
 ``quantized_matmul`` has no kernel for the strided slice of the cache's
 buffer that attention reads (it works only when the buffer is exactly full).
 ``kv_bits`` is refused there in one line, before any work
-(:func:`quantized_kv_supported`).
+(:func:`quantized_kv_supported`). Handing attention contiguous copies of the
+cache gets past the error but not to a usable speed: mlx-lm's own 8-bit KV
+then decoded at 2.3 tok/s against 104 with bf16 on an H200 (Qwen3-8B shape,
+8k context; docs/benchmarks.md), a step far over any stop budget.
 
 Rows with either setting decode alone: mlx-lm batches plain ``KVCache``
 layers only (there is no batched quantized cache, and a rotating row's

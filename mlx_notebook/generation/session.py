@@ -417,7 +417,7 @@ def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
     if not quantized_kv_supported():
         raise InvalidArgumentError(
             "kv_bits does not run on MLX's CUDA backend yet (mlx 0.32: quantized_matmul has no kernel "
-            "for the KV cache's strided slices; mlx-lm fails the same way): leave kv_bits unset here"
+            "for the KV cache's strided slices, and mlx-lm's own fails the same way): leave kv_bits unset here"
         )
     config = loaded.config
     heads = config.get("num_attention_heads")
