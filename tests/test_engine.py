@@ -19,6 +19,7 @@ from testkit.waiting import (
     assert_stays_paused,
     other_generation,
     wait_prefill_chunks,
+    wait_state,
     wait_tokens,
     wait_until,
 )
@@ -157,19 +158,28 @@ def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
         gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=20, stop_budget=0.005)
     finally:
         worker.prompt_cache_gb = 2
-    # Pause once a prefill chunk is done and most of the prompt is still ahead
-    # (right after "prefilling" the test thread may be scheduled too late).
-    wait_prefill_chunks(gen, 1)
-    chunks = gen.stats.prefill_chunks
-    gen.pause()
-    # A paused prefill runs the other rows' steps (a new generation would queue behind
-    # it): while a generation that was decoding before makes 8 more tokens, nothing moves.
-    assert_stays_paused(gen, lambda: wait_tokens(beside, len(beside.tokens) + 8))
-    assert gen.tokens == [] and gen.stats.prefill_chunks == chunks
-    beside.cancel()
-    gen.resume()
-    gen.result(timeout=60)
-    assert gen.tokens == expected
+    try:
+        # Pause once a prefill chunk is done and most of the prompt is still ahead
+        # (right after "prefilling" the test thread may be scheduled too late).
+        wait_prefill_chunks(gen, 1)
+        gen.pause()
+        # The chunk in flight when the pause came may still end and count: nothing moves
+        # from the moment the pause took effect. A paused prefill runs the other rows'
+        # steps (a new generation would queue behind it): while a generation that was
+        # decoding before makes 8 more tokens, no chunk and no token comes.
+        wait_state(gen, "paused")
+        chunks = gen.stats.prefill_chunks
+        assert_stays_paused(gen, lambda: wait_tokens(beside, len(beside.tokens) + 8))
+        assert gen.tokens == [] and gen.stats.prefill_chunks == chunks
+        beside.cancel()
+        gen.resume()
+        gen.result(timeout=60)
+        assert gen.tokens == expected
+    finally:
+        # A failure must not leave the shared worker behind a paused prefill.
+        for g in (beside, gen):
+            g.cancel()
+            g.wait(60)
 
 
 def test_queue_runs_in_order_and_cancelled_queued_job_never_runs(worker, tiny_model):
