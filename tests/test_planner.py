@@ -134,6 +134,10 @@ def per_token_only(runs: list[Run], fixed: float) -> float:
     return total(runs) - fixed * len(runs)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the fit puts a swollen fixed cost into the slope and cuts chunks to 1-20 tokens (issue 20, item 4)",
+)
 def test_load_swelling_the_fixed_cost_does_not_collapse_the_chunks() -> None:
     true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
     for seed in range(5):
@@ -156,24 +160,10 @@ def test_the_same_planner_keeps_quiet_chunks_within_the_target() -> None:
     assert statistics.median(r.true_s for r in runs[4:]) >= 0.6 * LAYER_TARGET
 
 
+@pytest.mark.xfail(
+    strict=True, reason="open: load arriving mid-prefill shrinks the chunks instead of growing them (issue 20, item 4)"
+)
 def test_load_arriving_mid_prefill_is_followed_within_a_few_chunks() -> None:
-    """Load arrives at token 1,500 of 4,000 (no noise): the planner follows it within a few chunks.
-
-    Two bounds changed from the first version of this test, which asked the
-    impossible or fought the noisy case above:
-
-    * "after the switch, chunks no smaller than before it": the quiet chunks
-      that fill the 1.05 s target run 93 tokens at 200 down to 67 at 1,500
-      (median ~78), while a loaded chunk within 2.5x the fixed part (3.75 s)
-      holds at most 60 tokens at 1,500 and 39 at 4,000 (median ~50). No
-      planner meets both. The bound now is the collapse test's: the median
-      size >= 0.7x the size whose per-token part equals the fixed part.
-    * 2.5x -> 3x the fixed part a chunk: under load the planner sizes chunks
-      to 2.25x the time of an 8-token probe (the fixed part cannot be told
-      from the per-token part otherwise under the noise above; aiming lower
-      collapsed 6-10 of 20 seeds there). Without noise that is
-      2.25 x (1.5 + 8 x 0.038-0.057) = 4.05-4.4 s, within test 1's 3x (4.5 s).
-    """
     quiet, loaded = device(**QUIET), device(**{**LOADED, "noise": 0.0, "spikes": 0.0})
     switch = 1500
 
@@ -182,17 +172,17 @@ def test_load_arriving_mid_prefill_is_followed_within_a_few_chunks() -> None:
 
     runs = simulate(ChunkPlanner(), 4000, LAYER_TARGET, dev)
     after = [r for r in runs if r.start >= switch]
-    # Planned from quiet costs, the first chunk after the switch runs long; two
-    # later they take no more than the loaded case's bound (3x the fixed part,
-    # as in the test above; it was 2.5x: see the docstring).
-    assert all(r.true_s <= 3 * LOADED["fixed"] for r in after[2:]), [(r.n, round(r.true_s, 2)) for r in after]
-    # And they do not collapse: they stay near the size whose per-token part
-    # equals the swollen fixed part (it was: no smaller than the quiet chunks).
-    true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
-    floor = statistics.median(true.balance_size(r.start) for r in after)
-    assert statistics.median(r.n for r in after[2:-1]) >= 0.7 * floor, [r.n for r in after]
+    # Planned from quiet costs, the first chunk after the switch runs long; two later they fit the floor.
+    assert all(r.true_s <= 2.5 * LOADED["fixed"] for r in after[2:]), [(r.n, round(r.true_s, 2)) for r in after]
+    # And they do not shrink: the load swelled the fixed part, so they grow.
+    before = [r.n for r in runs[4 : len(runs) - len(after)]]
+    assert statistics.median(r.n for r in after[2:-1]) >= statistics.median(before)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the affine fit lags a cost that rises with the context; late chunks run past the budget (issue 20, item 4)",
+)
 def test_context_growth_is_tracked_chunk_by_chunk() -> None:
     # An accelerator at long context: attention makes a token at 16k cost 17x one at 0.
     true = CostModel(0.002, 2e-5, 2e-8)
@@ -228,6 +218,10 @@ def test_a_cold_start_on_a_steep_device_never_extrapolates_the_probes_slope() ->
         assert max(r.true_s for r in runs) <= BUDGET, (seed, [(r.n, round(r.true_s, 3)) for r in runs[:8]])
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: one preemption in the fit window bends the line, and a chunk runs past the budget (issue 20, item 4)",
+)
 def test_noise_and_preemptions_cost_neither_the_budget_nor_much_speed() -> None:
     target = BUDGET * SHARE
     true = CostModel(0.01, 5e-4)
