@@ -23,7 +23,7 @@ import mlx_notebook
 from mlx_notebook import cluster
 from mlx_notebook.cluster.client import Cluster
 from mlx_notebook.cluster.errors import ClusterError
-from mlx_notebook.cluster.launch import LaunchSpec
+from mlx_notebook.cluster.launch import LaunchSpec, command, ephemeral_ports
 from mlx_notebook.cluster.protocol import MAX_AHEAD
 from mlx_notebook.errors import MLXNotebookError
 from mlx_notebook.generation.handle import Generation, GenerationEvent
@@ -310,6 +310,24 @@ def test_bad_inputs_are_one_line_errors(running, tmp_path):
     assert "not divisible by 2 ranks; no rank count above 1" in messages[6] and "pipeline" not in messages[6]
     assert all("not divisible by 2 ranks; use 3 ranks" in m for m in messages[7:]), messages[7:]
     print("\n" + "\n".join(messages))
+
+
+def test_ring_ports_are_never_ones_the_host_hands_out(tmp_path):
+    """Regression: rank 0 once drew a port a Jupyter server kept dialling (a dead kernel's).
+
+    mlx's ring rank accepts the first connection to its port, so that call took
+    rank 1's place and both ranks failed "[ring] Couldn't connect" 15 s later (a CI
+    run beside JupyterLab). Kernels get their ports by binding port 0, from the
+    host's ephemeral range; ring ports are drawn outside it.
+    """
+    first, last = ephemeral_ports()
+    assert 1024 <= first < last <= 65535
+    for ranks in (2, 3, 8):
+        for _ in range(100):
+            cmd = command(LaunchSpec("m", ranks=ranks), tmp_path, connect="tcp://127.0.0.1:1")
+            ring = int(cmd[cmd.index("--starting-port") + 1])
+            ports = [*range(ring, ring + ranks), int(cmd[cmd.index("--nccl-port") + 1])]
+            assert not any(first <= port <= last for port in ports), (ports, first, last)
 
 
 @pytest.mark.parametrize(

@@ -195,10 +195,47 @@ def check_config(folder: Path, spec: LaunchSpec) -> None:
         raise ClusterError(f"cannot shard {spec.model!r}: {exc}") from None
 
 
+# Where the OS picks ports for outgoing connections and port-0 binds (Linux reads it from
+# /proc; elsewhere IANA's dynamic range, the default of macOS).
+LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DYNAMIC_PORTS = (49152, 65535)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The first and last port this host hands out on its own (outgoing connections, binds to port 0)."""
+    try:
+        first, last = (int(n) for n in LOCAL_PORT_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return DYNAMIC_PORTS
+    return first, last
+
+
+def _port_window(count: int) -> range:
+    """The bases to draw ring ports from: below the host's ephemeral ports, else above them.
+
+    A ring rank accepts the first connection that reaches its port, from anyone
+    (mlx's ring has no handshake). Ports in the ephemeral range are where dead
+    peers are still being dialled: a Jupyter server keeps reconnecting the zmq
+    channels of a kernel that died under it, several times a second, to the ports
+    the kernel got by binding port 0. One such port drawn for rank 0 made both
+    ranks fail with "[ring] Couldn't connect (error: 111)" 15 s later (a CI run
+    beside JupyterLab, whose server dialled the 4 ports of each of 2 dead kernels
+    ~3 times a second for as long as it ran). Ports the OS never hands out are not
+    dialled that way.
+    """
+    first, last = ephemeral_ports()
+    if first - count > 20000:
+        return range(20000, first - count)
+    if last + 1 < 65536 - count:
+        return range(last + 1, 65536 - count)
+    return range(20000, 60000 - count)  # the whole space is ephemeral: nowhere is safer
+
+
 def _free_port_run(count: int) -> int:
     """A port ``p`` with ``p .. p + count - 1`` free on this host now (the ring backend's listen ports)."""
+    window = _port_window(count)
     for _ in range(50):
-        base = random.randrange(20000, 60000 - count)
+        base = random.choice(window)
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
