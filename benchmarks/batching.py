@@ -192,16 +192,25 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
         warm.result()
         again = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
         again.result()
-        latencies, states = [], {}
+        latencies, states, detail = [], {}, []
         for _ in range(rounds):
             gen = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=100_000, stop_budget=budget)
-            time.sleep(rng.uniform(0.0, 0.02))
+            delay = rng.uniform(0.0, 0.02)
+            time.sleep(delay)
             state = str(gen.state)
             t0 = time.perf_counter()
             gen.cancel()
             gen.wait()
             latencies.append(time.perf_counter() - t0)
             states[state] = states.get(state, 0) + 1
+            detail.append(
+                {
+                    "delay_ms": round(1000 * delay, 2),
+                    "state": state,
+                    "tokens": len(gen.tokens),
+                    "ms": round(1000 * latencies[-1], 2),
+                }
+            )
     finally:
         worker.prompt_cache_gb = 0
     return {
@@ -213,6 +222,11 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
         "max": 1000 * max(latencies),
         "rounds": len(latencies),
         "state_at_stop": states,
+        "rounds_detail": detail,
+        "first_step": {
+            "warm_ttft_ms": 1000 * again.stats.ttft_s,
+            "decode_step_ms": 1000 * (again.stats.decode_step_s or 0),
+        },
     }
 
 

@@ -162,9 +162,13 @@ def test_random_controls_on_random_rows_keep_every_row_exact(worker, tiny_model,
 def test_prefix_reuse_gives_the_cold_tokens_and_counts_cached(worker, tiny_model):
     doc = " ".join(f"word{i}" for i in range(300))
     first, second = doc + " What is the first word?", doc + " What is the last word?"
+    # Seeded, with log-probabilities: a fully cached prompt's first token is sampled from its prefill's logits.
+    seeded = {"max_tokens": 16, "temperature": 0.9, "seed": 5, "logprobs": 3}
     worker.prompt_cache_gb = 0
     cold = mlx_notebook.generate(second, model=tiny_model, worker=worker, max_tokens=16)
     cold.result(timeout=120)
+    seeded_cold = mlx_notebook.generate(second, model=tiny_model, worker=worker, **seeded)
+    seeded_cold.result(timeout=120)
     assert cold.stats.cached_tokens == 0
     worker.prompt_cache_gb = 2
     mlx_notebook.generate(first, model=tiny_model, worker=worker, max_tokens=16).result(timeout=120)
@@ -172,11 +176,100 @@ def test_prefix_reuse_gives_the_cold_tokens_and_counts_cached(worker, tiny_model
     warm.result(timeout=120)
     assert warm.stats.cached_tokens > 0.8 * warm.stats.prompt_tokens
     assert warm.tokens == cold.tokens
-    # The same prompt again: everything but its last token comes from the cache.
+    # The same prompt again: everything but its last token comes from the cache, and
+    # the last token's forward runs in the prefill (in layer groups), not as a step.
     again = mlx_notebook.generate(second, model=tiny_model, worker=worker, max_tokens=16)
     again.result(timeout=120)
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
     assert again.tokens == cold.tokens
+    seeded_again = mlx_notebook.generate(second, model=tiny_model, worker=worker, **seeded)
+    seeded_again.result(timeout=120)
+    assert seeded_again.stats.cached_tokens == seeded_again.stats.prompt_tokens - 1
+    assert seeded_again.tokens == seeded_cold.tokens
+    assert [lp.token for lp in seeded_again.logprobs] == seeded_again.tokens
+    for a, b in zip(seeded_again.logprobs, seeded_cold.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_fully_cached_prompts_submitted_together_give_their_solo_tokens(worker, tiny_model, solo):
+    """Each prompt's last token was fed by its prefill (it started alone); joining together, a step feeds it."""
+    worker.prompt_cache_gb = 2
+    for seed in (None, 3):
+        for prompt in PROMPTS:  # into the prefix cache
+            mlx_notebook.generate(prompt, model=tiny_model, worker=worker, max_tokens=2).result(timeout=120)
+        gens = submit_all(worker, tiny_model, seed=seed)
+        for gen in gens:
+            gen.result(timeout=120)
+        assert max(g.stats.batch_size for g in gens) > 1, "the generations never decoded together"
+        for prompt, gen in zip(PROMPTS, gens):
+            assert gen.stats.cached_tokens == gen.stats.prompt_tokens - 1, prompt
+            assert gen.tokens == solo[prompt, seed], (prompt, seed)
+
+
+def test_a_lone_cached_tokens_forward_runs_in_layer_groups_and_stops_between_them(tiny_model):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_notebook.control import Cancelled, CancelToken, Pace
+    from mlx_notebook.generation.prefill import prefill
+    from mlx_notebook.generation.stats import GenerationStats
+    from mlx_notebook.loading.store import ModelStore
+
+    class Sink:
+        stats = GenerationStats()
+
+        def set_state(self, state): ...
+        def progress(self, phase, done, total): ...
+        def emit(self, token_ids, text): ...
+
+    loaded = ModelStore().get(tiny_model)
+    layers = len(loaded.model.layers)
+    prompt = list(range(20, 220))
+    reference = make_prompt_cache(loaded.model)
+    expected = loaded.model(mx.array(prompt)[None], cache=reference)[:, -1, :]
+
+    def cached() -> list:
+        cache = make_prompt_cache(loaded.model)
+        mx.eval(loaded.model(mx.array(prompt[:-1])[None], cache=cache))
+        return cache
+
+    # A decode step as slow as the budget: a layer per group, a checkpoint between each two.
+    loaded.step_s = 1.0
+    checkpoints: list[int] = []
+    cache = cached()
+    pace = Pace(CancelToken(), 0.1, between=lambda: checkpoints.append(cache[0].offset))
+    logits = prefill(loaded, cache, prompt, pace=pace, sink=Sink(), start=len(prompt) - 1, last=True)
+    assert logits is not None and mx.allclose(logits, expected, atol=1e-5).item()
+    assert all(layer.offset == len(prompt) for layer in cache)
+    assert len(checkpoints) >= layers  # before it, inside it (layers - 1) and after it
+    # Without last=, or with tokens still to read, the first decode step feeds it (as before).
+    assert prefill(loaded, cached(), prompt, pace=Pace(CancelToken(), 0.1), sink=Sink(), start=len(prompt) - 1) is None
+    # A stop at the checkpoint after the first layer: raised out of the forward, the model unchanged.
+    token = CancelToken()
+    cache = cached()
+    calls: list[int] = []
+
+    def stop_in_the_forward() -> None:
+        calls.append(1)
+        if len(calls) == 3:  # the first checkpoint is the prefill's own, then the one after that
+            token.cancel()
+
+    with pytest.raises(Cancelled):
+        prefill(
+            loaded,
+            cache,
+            prompt,
+            pace=Pace(token, 0.1, between=stop_in_the_forward),
+            sink=Sink(),
+            start=len(prompt) - 1,
+            last=True,
+        )
+    assert isinstance(loaded.model.layers, list) and len(loaded.model.layers) == layers
+    assert type(loaded.model.layers[0]).__name__ != "_CheckpointedLayer"
+    again = prefill(
+        loaded, cached(), prompt, pace=Pace(CancelToken(), 0.1), sink=Sink(), start=len(prompt) - 1, last=True
+    )
+    assert again is not None and mx.allclose(again, expected, atol=1e-5).item()
 
 
 def test_prompt_cache_is_bounded_and_dropped_on_unload(worker, tiny_model):

@@ -108,6 +108,9 @@ class Row:
     detached: bool = False
     # Its grammar's state (schema=, choices=, regex=), fed every read token: parked with the row.
     matcher: RowMatcher | None = None
+    # Its first token's logits, when its prefill fed the last prompt token too
+    # (then its cache holds it): sampled instead of a forward if it starts alone.
+    first_logits: mx.array | None = None
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
@@ -327,7 +330,7 @@ class DecodeBatch:
             self._admit()
             if not self.rows:
                 return
-            self._queue(self._forward([r.next_token for r in self.rows]))
+            self._queue(self._first_step())
         y = self._y
         assert y is not None
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
@@ -515,7 +518,7 @@ class DecodeBatch:
             row.next_token = tok
         if self.rows or self.ready:
             self._admit()
-            self._queue(self._forward([r.next_token for r in self.rows]))
+            self._queue(self._first_step())
 
     def _queue(self, step: _Step) -> None:
         """Make ``step`` the one in flight and queue it on the device (the lock let go meanwhile)."""
@@ -617,12 +620,16 @@ class DecodeBatch:
                 self._leave(row, row.cache, FinishReason.STOPPED)
             elif token.pause_requested:
                 joining.remove(row)
+                _feed_last_again(row)  # parked as every paused row is: its cache before next_token
                 row.paused_at = time.perf_counter()
                 token.mark("pause")
                 row.sink.set_state(State.PAUSED)
                 self.parked.append(row)
         if not joining:
             return
+        if self.rows or len(joining) > 1:
+            for row in joining:
+                _feed_last_again(row)  # a batched step feeds it with the others
         caches = [r.cache for r in joining]
         for r in joining:
             r.cache = None
@@ -638,6 +645,14 @@ class DecodeBatch:
         self.rows = self.rows + joining
 
     # -- the model -------------------------------------------------------------------
+
+    def _first_step(self) -> _Step:
+        """The step after rows changed between steps: a forward, or a lone row's first logits sampled."""
+        first = self.rows[0].first_logits if len(self.rows) == 1 else None
+        if first is None:
+            return self._forward([r.next_token for r in self.rows])
+        self.rows[0].first_logits = None
+        return self._sample(self._processed(first, None))
 
     def _forward(self, inputs: list[int] | mx.array) -> _Step:
         """Build one decode step for every row (lazy).
@@ -657,12 +672,18 @@ class DecodeBatch:
             # call, and a step built ahead and undone on pause converted nothing.
             self.rows[0].kv.quantize(self._cache)
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
+        return self._processed(logits, inputs if pending else None)
+
+    def _processed(self, logits: mx.array, pending: mx.array | None) -> mx.array:
+        """``logits`` after the rows' logits processors; ``pending``: the step's input tokens, not read yet."""
         if any(r.sample.processors for r in self.rows):
             # mlx-lm's logits processors (bias, repetition penalty), row by row, on the row's context.
             logits = mx.concatenate(
                 [
                     r.sample.process(
-                        r.context(inputs[i : i + 1] if pending else None), logits[i : i + 1], pending=pending
+                        r.context(pending[i : i + 1] if pending is not None else None),
+                        logits[i : i + 1],
+                        pending=pending is not None,
                     )
                     if r.sample.processors
                     else logits[i : i + 1]
@@ -709,6 +730,8 @@ class DecodeBatch:
         """Update the step time and choose how many steps to keep in flight."""
         step = seconds if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * seconds
         self.step_s = step
+        if len(self.rows) == 1:
+            self.loaded.step_s = step
         budget = min(r.pace.budget_s for r in self.rows)
         self.in_flight = 2 if 2 * step <= DECODE_PIPELINE_SHARE * budget else 1
         for row in self.rows:
@@ -716,3 +739,11 @@ class DecodeBatch:
             stats.decode_step_s = step
             stats.decode_in_flight = self.in_flight
             stats.budget_below_step = step > row.pace.budget_s
+
+
+def _feed_last_again(row: Row) -> None:
+    """Drop a row's first logits: a step feeds its last prompt token after all (cut off its cache)."""
+    if row.first_logits is not None and row.cache is not None:
+        row.first_logits = None
+        for layer in row.cache:
+            layer.trim(1)

@@ -153,7 +153,21 @@ class LayerRunner:
             self.owner.layers = self._wrapped
             self.outside_s += time.perf_counter() - t0
 
+    def seed(self, per_layer_token_s: float) -> None:
+        """Size the first groups from a cost measured elsewhere (a decode step's), not from one layer."""
+        self._samples = [(float(self._context()), per_layer_token_s)]
+
     def run(self, inputs: mx.array) -> None:
+        """Run the model on one chunk in groups of layers and evaluate the cache."""
+        self._forward(inputs)
+
+    def logits(self, inputs: mx.array) -> mx.array:
+        """Like :meth:`run`, and the logits of the chunk's last token (evaluated)."""
+        out = self._forward(inputs)[:, -1, :]
+        mx.eval(out)
+        return out
+
+    def _forward(self, inputs: mx.array) -> mx.array:
         n_tokens = inputs.shape[-1]
         position = self._context() + n_tokens / 2
         self._plan(n_tokens)
@@ -165,7 +179,7 @@ class LayerRunner:
         t0 = time.perf_counter()
         self.owner.layers = wrapped
         try:
-            self.model(inputs, cache=self.cache)
+            out: mx.array = self.model(inputs, cache=self.cache)
         finally:
             # Restore even when a stop raises out of the forward pass, and
             # drop the wrappers: they refer back to this runner (its hook),
@@ -181,6 +195,7 @@ class LayerRunner:
             self.pieces = PrefillPieces.CHUNKS
             self.chunk_budget_factor = 1.0
         self._samples = (self._samples + [(position, elapsed / (n_tokens * self.n_layers))])[-6:]
+        return out
 
 
 def _layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:

@@ -29,7 +29,7 @@ from ..loading.store import LoadedModel
 from .budget import PREFILL_SHARE
 from .chunks import ChunkPlanner, builds_kernels_per_shape
 from .kv_settings import KVSettings
-from .pieces import prefill_runner
+from .pieces import LayerRunner, prefill_runner
 from .states import State
 from .stats import GenerationStats
 
@@ -58,7 +58,8 @@ def prefill(
     sink: Sink,
     start: int = 0,
     kv: KVSettings | None = None,
-) -> None:
+    last: bool = False,
+) -> mx.array | None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
     ``start`` prompt tokens are in ``cache`` already (a prompt-cache hit).
@@ -70,6 +71,15 @@ def prefill(
     pace.budget_s``; it starts from the model's last measurement, or small.
     There is a checkpoint before the first chunk, between every two (the one
     that agrees the next size) and after the last.
+
+    With ``last``, a prompt whose tokens all came from the cache but the last
+    (``start == len(prompt) - 1``: a cell run again, a resumed generation)
+    has that token fed here too, in groups of layers sized from the model's
+    last solo decode step, and its logits are returned. That forward over the
+    whole cached context is the generation's first, and with nothing before
+    it a stop would otherwise wait for all of it (measured on an H200, Qwen3-8B
+    shape, 8k cached: stop p99 14.8 ms against a 10 ms budget). Otherwise, and
+    where layers cannot be grouped, ``None``: the first decode step feeds it.
     """
     total = len(prompt)
     to_process = total - 1
@@ -111,3 +121,10 @@ def prefill(
     pace.checkpoint()
     if planner.cost is not None:
         loaded.prefill_cost = planner.cost
+    if not (last and 0 < start == to_process and isinstance(runner, LayerRunner) and (kv is None or kv.plain)):
+        return None
+    if loaded.step_s is not None:
+        runner.seed(loaded.step_s / runner.n_layers)
+    logits = runner.logits(ids[None, to_process:])
+    pace.checkpoint()
+    return logits

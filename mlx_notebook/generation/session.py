@@ -252,8 +252,12 @@ class Session:
                 cache, cached = self._start_cache(loaded, reporter, fed, kv, pace)
                 gen.stats.cached_tokens = cached
                 prefill_start = time.perf_counter()
-                prefill(loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv)
+                # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
+                first = prefill(
+                    loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
+                )
             row = Row(reporter, pace, gen.request, prompt, cache, fed[-1], start, prefill_start)
+            row.first_logits = first
             if resume is not None:
                 row.tokens = list(resume.tokens)
                 if resume.key is not None:

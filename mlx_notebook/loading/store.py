@@ -100,6 +100,9 @@ class LoadedModel:
           reuse (a ``PromptCache``, made by the worker). Dropped with the
           model. Default: ``None``.
         fingerprint: Its weights' fingerprint, once a save or resume needed it. Default: ``None``.
+        step_s: Seconds of its last solo decode step, which sizes the layer
+          groups of a lone token's forward (a prompt fully in the prefix
+          cache). Default: ``None`` (not measured yet).
     """
 
     source: ModelSource
@@ -114,6 +117,7 @@ class LoadedModel:
     folder: Path | None = None
     prompt_cache: Any = None
     fingerprint: str | None = None
+    step_s: float | None = None
 
 
 class ModelStore:
