@@ -21,6 +21,7 @@ import pytest
 
 import mlx_notebook
 from mlx_notebook.loading import gguf
+from mlx_notebook.loading.names import cache_dir
 from testkit import gguf_writer as gw
 from testkit.kernel_helpers import start_kernel
 
@@ -41,12 +42,13 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 
 
 @pytest.fixture(scope="module")
-def converted(families: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """family -> its GGUF converted once (each conversion is ~20 s on a 2-core CPU), for the tests that read it."""
-    return {
-        family: gguf.convert_gguf(families[family][0], tmp_path_factory.mktemp(f"{family}-converted"))
-        for family in FAMILIES
-    }
+def converted(families: dict) -> dict[str, Path]:
+    """family -> its GGUF converted once (~20-30 s each on a 2-core CPU), into the cache the worker and kernels read.
+
+    So the tests that generate from the ``.gguf`` file (the worker here, ``%%mlxgen -m``
+    in a kernel) find it converted instead of converting it again.
+    """
+    return {family: gguf.cached_conversion(families[family][0], cache_dir()) for family in FAMILIES}
 
 
 def _reference_logits(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> np.ndarray:
@@ -107,7 +109,7 @@ def test_mistral_tokenizer_and_template(converted: dict) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_generates(families: dict, family: str, worker: mlx_notebook.Worker) -> None:
+def test_family_generates(families: dict, converted: dict, family: str, worker: mlx_notebook.Worker) -> None:
     gen = mlx_notebook.generate("Name three rivers.", model=str(families[family][0]), max_tokens=6, worker=worker)
     gen.result(timeout=600)
     assert gen.state == "done", gen.error
@@ -115,7 +117,7 @@ def test_family_generates(families: dict, family: str, worker: mlx_notebook.Work
 
 
 @pytest.mark.kernel
-def test_mlxgen_magic_runs_family_ggufs_in_a_kernel(families: dict) -> None:
+def test_mlxgen_magic_runs_family_ggufs_in_a_kernel(families: dict, converted: dict) -> None:
     with start_kernel() as session:
         for family in ("qwen3", "mistral"):
             path = families[family][0]
