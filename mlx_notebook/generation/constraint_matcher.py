@@ -161,6 +161,17 @@ class RowMatcher:
         if self._for_grammar(token):
             self._process.advance(self._row, token)
 
+    @staticmethod
+    def advance_all(pairs: list[tuple[RowMatcher, int]]) -> None:
+        """Feed each row its read token, one request per llguidance process (a batch step: see ``advance_many``)."""
+        by_process: dict[int, tuple[GrammarProcess, list[tuple[int, int]]]] = {}
+        for matcher, token in pairs:
+            if matcher._for_grammar(token):
+                process = matcher._process
+                by_process.setdefault(id(process), (process, []))[1].append((matcher._row, token))
+        for process, rows in by_process.values():
+            process.advance_many(rows)
+
     def _for_grammar(self, token: int) -> bool:
         """Follow the reasoning phase; whether the grammar itself must consume ``token``."""
         if self._channel is not None and self._channel.reasoning:
@@ -192,17 +203,6 @@ class RowMatcher:
         return np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
 
 
-def advance_rows(pairs: list[tuple[RowMatcher, int]]) -> None:
-    """Feed each row its read token, one request per llguidance process (a batch step: see ``advance_many``)."""
-    by_process: dict[int, tuple[GrammarProcess, list[tuple[int, int]]]] = {}
-    for matcher, token in pairs:
-        if matcher._for_grammar(token):
-            process = matcher._process
-            by_process.setdefault(id(process), (process, []))[1].append((matcher._row, token))
-    for process, rows in by_process.values():
-        process.advance_many(rows)
-
-
 def mask_logits(logits: mx.array, matchers: list[RowMatcher | None]) -> mx.array:
     """``logits`` (one row per matcher) with each constrained row's disallowed tokens at ``-inf``."""
     width = logits.shape[-1]
@@ -213,4 +213,4 @@ def mask_logits(logits: mx.array, matchers: list[RowMatcher | None]) -> mx.array
     return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
-__all__ = ["RowMatcher", "advance_rows", "ll_tokenizer", "mask_logits"]
+__all__ = ["RowMatcher", "ll_tokenizer", "mask_logits"]

@@ -55,7 +55,7 @@ from ..loading.store import LoadedModel
 from . import batch_cache
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
-from .constraint_matcher import RowMatcher, advance_rows, mask_logits
+from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
 from .request import GenerationRequest
@@ -363,7 +363,9 @@ class DecodeBatch:
         self.steps += 1
         # Constrained rows' tokens to their matchers, one request per step, first: the
         # llguidance process fills the masks while the next forward is queued and run.
-        advance_rows([(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached])
+        RowMatcher.advance_all(
+            [(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached]
+        )
         if (nxt is not None and not queued) or ahead is not None:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
@@ -425,7 +427,7 @@ class DecodeBatch:
         logprobs: tuple[mx.array, mx.array, mx.array] | None,
     ) -> None:
         stats = row.sink.stats
-        row.tokens.append(tok)  # a constrained row's matcher was fed it already (step: advance_rows)
+        row.tokens.append(tok)  # a constrained row's matcher was fed it already (step: RowMatcher.advance_all)
         if row.first_token_at is None:
             row.first_token_at = now
             stats.ttft_s = now - row.start
