@@ -7,6 +7,7 @@ the rank-kill test runs last on it and restarts it. Timings are printed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -438,8 +439,12 @@ def test_magic_in_a_kernel_and_no_orphans_after_a_kernel_crash(tiny_model):
         assert group_members(pgid)
 
         # The job magics see the cluster's generations: listed, stopped one by one and all at once.
-        assert kernel.execute("%%mlxgen -m tiny -n 100000 -o h1\nHello there").ok
-        assert kernel.execute("%%mlxgen -m tiny -n 100000 -o h2\nHello there").ok  # queued on rank 0
+        # EOS biased away: a random model can end a long run by itself before the stop (it did in
+        # CI beside two busy loops, and "%mlxgen_stop all" then found nothing to stop).
+        eos = json.loads((Path(tiny_model) / "config.json").read_text())["eos_token_id"]
+        assert kernel.execute(f"no_eos = {{{eos}: -1000.0}}").ok
+        assert kernel.execute("%%mlxgen -m tiny -n 100000 --logit-bias no_eos -o h1\nHello there").ok
+        assert kernel.execute("%%mlxgen -m tiny -n 100000 --logit-bias no_eos -o h2\nHello there").ok  # queued
         h1, h2 = kernel.eval("(h1.id, h2.id)")
         jobs = kernel.execute("%mlxgen_jobs").stream("stdout")
         assert f"{h1} " in jobs and f"{h2} " in jobs, jobs

@@ -59,15 +59,34 @@ def test_pause_and_resume_are_exact_with_kv_settings(worker, wide_model, setting
 
 
 def test_quantized_bytes_against_the_models_dtype(worker, wide_model):
+    """Bytes per cached position: fp32 keys and values against 8 and 4 bits with an fp32 scale and bias per 64 values.
+
+    Compared per position, not as totals: a plain cache's buffer holds the room
+    mlx-lm's ``KVCache`` added where the prefill chunks happened to end (they
+    are timed), 424-498 positions over runs of this prompt, and a ratio of the
+    totals read 0.29-0.34 for the same 8-bit cache (it failed under CPU load).
+    """
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(wide_model) / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_position = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4  # fp32
     worker.prompt_cache_gb = 0
     try:
-        plain = run(worker, wide_model).stats.kv_bytes
-        eight = run(worker, wide_model, kv_bits=8, quantized_kv_start=0).stats.kv_bytes
-        four = run(worker, wide_model, kv_bits=4, quantized_kv_start=0).stats.kv_bytes
+        plain = run(worker, wide_model)
+        eight = run(worker, wide_model, kv_bits=8, quantized_kv_start=0)
+        four = run(worker, wide_model, kv_bits=4, quantized_kv_start=0)
     finally:
         worker.prompt_cache_gb = mlx_notebook.generation.prefix_cache.DEFAULT_PROMPT_CACHE_GB
-    # fp32 keys and values: 8 bits + a scale and bias (fp32) per 64 values is ~0.28x; 4 bits ~0.16x.
-    assert eight / plain < 0.3 and four / plain < 0.18, (plain, eight, four)
+    held = plain.stats.prompt_tokens + len(plain.tokens) - 1
+    positions, rest = divmod(plain.stats.kv_bytes, per_position)
+    assert rest == 0 and positions >= held, (plain.stats.kv_bytes, per_position, held)
+    for gen, bits in ((eight, 8), (four, 4)):
+        # Per value: bits / 8 bytes of data, plus 2 x 4 bytes per group of 64.
+        ratio = (bits / 8 + 8 / 64) / 4  # 0.28 for 8 bits, 0.16 for 4
+        steps = gen.stats.kv_bytes / (per_position * ratio * 256)  # QuantizedKVCache grows 256 positions at a time
+        assert steps == int(steps) and steps * 256 >= gen.stats.prompt_tokens + len(gen.tokens) - 1, (bits, steps)
 
 
 def test_quantized_rows_decode_alone_beside_a_plain_batch(worker, wide_model):
