@@ -502,3 +502,32 @@ def test_a_prefix_hit_is_restored_in_pieces_with_checkpoints(tiny_model):
         assert new.offset == n and new.keys.shape[2] >= n + 2 + KV_STEP
         assert mx.array_equal(new.keys[..., :n, :], old.keys[..., :n, :]).item()
         assert mx.array_equal(new.values[..., :n, :], old.values[..., :n, :]).item()
+
+
+def test_decode_steps_run_on_the_stream_the_worker_synchronizes(tiny_model, monkeypatch):
+    """Regression: the batch's steps ran on the worker thread's default stream, not its own.
+
+    The worker synchronizes its own stream before it reports a generation ended
+    (nothing in flight); steps queued on another stream escaped that, and every
+    join crossed streams (a fence MLX's CUDA backend waits for on the host).
+    """
+    import mlx.core as mx
+
+    from mlx_notebook.generation import decode_batch
+
+    streams: set[tuple[str, str]] = set()
+    forward = decode_batch.DecodeBatch._logits
+
+    def spy(self, inputs):
+        streams.add((str(mx.default_stream(mx.default_device())), str(self.stream)))
+        return forward(self, inputs)
+
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_logits", spy)
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        gens = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=6) for p in PROMPTS[:2]]
+        for gen in gens:
+            gen.result(timeout=120)
+    finally:
+        assert worker.shutdown(timeout=60)
+    assert streams and all(current == own for current, own in streams), streams

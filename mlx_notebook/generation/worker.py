@@ -431,7 +431,14 @@ class Worker:
         )
         self.session = session
         try:
-            session.run(first)
+            # Every step on the worker's own stream, the one synchronized before a
+            # generation is reported ended. Outside this block the batch's decode steps
+            # ran on the thread's default stream (a second one: streams are per thread),
+            # so that synchronize missed a step still queued there, and each prefill
+            # (on this stream) fed a step on the other through a cross-stream fence,
+            # which MLX's CUDA backend waits for on the host.
+            with mx.stream(self.stream):
+                session.run(first)
         except BaseException as exc:  # a bug in the session: fail what it ran, keep the worker
             log.exception("mlx-notebook session failed")
             self._synchronize_quietly()
