@@ -43,7 +43,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 
 @pytest.fixture(scope="module")
 def converted(families: dict) -> dict[str, Path]:
-    """family -> its GGUF converted once (~20-30 s each on a 2-core CPU), into the cache the worker and kernels read.
+    """family -> its GGUF converted once (~7 s each on a 2-core CPU), into the cache the worker and kernels read.
 
     So the tests that generate from the ``.gguf`` file (the worker here, ``%%mlxgen -m``
     in a kernel) find it converted instead of converting it again.

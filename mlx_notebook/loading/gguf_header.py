@@ -80,6 +80,8 @@ class GGUFInfo:
         alignment: Data alignment in bytes (``general.alignment``, default 32).
         data_offset: Byte offset where the tensor data section starts.
         file_size: Size of the file in bytes.
+        reader: The parsed ``gguf.GGUFReader``, kept so that transformers'
+            metadata reader (:mod:`.gguf_model`) need not parse the file again.
     """
 
     path: Path
@@ -90,6 +92,7 @@ class GGUFInfo:
     alignment: int
     data_offset: int
     file_size: int
+    reader: Any = field(default=None, repr=False, compare=False)
 
 
 def open_checked(path: Path, label: str) -> tuple[Any, int]:
@@ -126,10 +129,8 @@ def read_header(path: str | os.PathLike[str]) -> GGUFInfo:
     with fileobj:
         version = _precheck(fileobj.read(_HEADER_BYTES), size, label)
 
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _reader(path)
         # Strings are decoded here, not while parsing: bad UTF-8 shows up now.
         metadata = {name: value.contents() for name, value in reader.fields.items() if not name.startswith("GGUF.")}
     except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as exc:
@@ -146,7 +147,31 @@ def read_header(path: str | os.PathLike[str]) -> GGUFInfo:
         raise ModelFormatError(
             f"{label}: GGUF file without general.architecture, so its model type is unknown; {FIX_OTHER}"
         )
-    return GGUFInfo(path, version, architecture, metadata, tensors, reader.alignment, reader.data_offset, size)
+    return GGUFInfo(path, version, architecture, metadata, tensors, reader.alignment, reader.data_offset, size, reader)
+
+
+def _reader(path: Path) -> Any:
+    """``gguf.GGUFReader(path)``, parsing ~3x faster.
+
+    The reader slices its ``np.memmap`` once per value, and numpy runs Python
+    code (``memmap.__array_finalize__``) for every slice of a memmap: a real
+    tokenizer's 150k tokens and 150k merges took ~10 s to parse on a 2-core CPU,
+    ~3.5 s through a plain ndarray view of the same map. Same values, same
+    errors (a read past the end still fails in the reader's own checks).
+    """
+    import gguf
+    import numpy as np
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader(path)
 
 
 def _precheck(head: bytes, size: int, label: str) -> int:

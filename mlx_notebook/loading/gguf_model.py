@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -131,9 +132,15 @@ def _transformers_metadata(info: GGUFInfo) -> tuple[dict[str, Any], Any]:
         )
     # transformers refuses this call without torch, though return_tensors=False
     # reads metadata only; mlx-notebook has no torch, so lift the guard for it.
+    # It would also parse the whole file again (~10 s for a real tokenizer):
+    # hand it the reader read_header already parsed, for this file only.
+    import gguf
+
     with _GUARD:
-        guard = hf.is_torch_available
+        guard, make_reader = hf.is_torch_available, gguf.GGUFReader
         hf.is_torch_available = lambda: True
+        if info.reader is not None:
+            setattr(gguf, "GGUFReader", _parsed_for(info, make_reader))  # noqa: B010 (mypy: a class slot)
         try:
             parsed = hf.load_gguf_checkpoint(str(info.path), return_tensors=False)
         except Exception as exc:  # any failure of a parser on input is a format error
@@ -141,7 +148,19 @@ def _transformers_metadata(info: GGUFInfo) -> tuple[dict[str, Any], Any]:
             raise ModelFormatError(f"{label}: transformers cannot read its metadata ({detail}); {FIX_OTHER}") from None
         finally:
             hf.is_torch_available = guard
+            setattr(gguf, "GGUFReader", make_reader)  # noqa: B010
     return parsed, processor
+
+
+def _parsed_for(info: GGUFInfo, make_reader: Any) -> Any:
+    """A stand-in for ``gguf.GGUFReader`` that hands back ``info``'s reader for ``info``'s file."""
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path) == info.path and not args and not kwargs:
+            return info.reader
+        return make_reader(path, *args, **kwargs)
+
+    return reader
 
 
 def _meta_int(info: GGUFInfo, key: str, default: int | None = None) -> int:
