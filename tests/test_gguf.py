@@ -824,3 +824,34 @@ def test_smollm_answers_paris(smollm: tuple[Any, Any]) -> None:
     )
     text = mlx_lm.generate(model, tok, prompt=prompt, max_tokens=20)
     assert "Paris" in text, text
+
+
+def test_header_reader_reads_what_ggufs_own_reader_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_header's faster reader (a plain view of gguf's memory map) gives gguf's values,
+    and a gguf whose private ``_get`` takes other arguments gets gguf's own reader."""
+    import gguf as gguf_py
+
+    from mlx_notebook.loading import gguf_header
+
+    config, weights = gw.family_weights("qwen3", vocab=4096)
+    path = gw.write_family_gguf(tmp_path / "q.gguf", "qwen3", config, weights)
+    own = gguf_py.GGUFReader(path)
+    want = {k: v.contents() for k, v in own.fields.items() if not k.startswith("GGUF.")}
+    info = gguf_header.read_header(path)
+    assert type(info.reader) is not gguf_py.GGUFReader  # the fast one
+    assert info.metadata == want
+    for tensor in own.tensors:
+        np.testing.assert_array_equal(
+            info.reader.tensors[[t.name for t in info.reader.tensors].index(tensor.name)].data, tensor.data
+        )
+
+    def other_get(
+        self: Any, offset: int, dtype: Any, count: int = 1, override_order: Any = None, extra: Any = None
+    ) -> Any:
+        return original(self, offset, dtype, count, override_order)
+
+    original = gguf_py.GGUFReader._get
+    monkeypatch.setattr(gguf_py.GGUFReader, "_get", other_get)
+    info = gguf_header.read_header(path)
+    assert type(info.reader) is gguf_py.GGUFReader
+    assert info.metadata == want

@@ -150,6 +150,9 @@ def read_header(path: str | os.PathLike[str]) -> GGUFInfo:
     return GGUFInfo(path, version, architecture, metadata, tensors, reader.alignment, reader.data_offset, size, reader)
 
 
+_GET_PARAMETERS = ["self", "offset", "dtype", "count", "override_order"]  # gguf 0.19's GGUFReader._get
+
+
 def _reader(path: Path) -> Any:
     """``gguf.GGUFReader(path)``, parsing ~3x faster.
 
@@ -158,9 +161,16 @@ def _reader(path: Path) -> Any:
     tokenizer's 150k tokens and 150k merges took ~10 s to parse on a 2-core CPU,
     ~3.5 s through a plain ndarray view of the same map. Same values, same
     errors (a read past the end still fails in the reader's own checks).
+    ``_get`` is gguf's private method: a gguf whose ``_get`` takes other
+    arguments gets its own reader, slower but right.
     """
+    import inspect
+
     import gguf
     import numpy as np
+
+    if list(inspect.signature(gguf.GGUFReader._get).parameters) != _GET_PARAMETERS:
+        return gguf.GGUFReader(path)
 
     class Reader(gguf.GGUFReader):
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
