@@ -463,6 +463,71 @@ def test_restart_and_shutdown_mid_generation_exit_cleanly(model_name: str) -> No
         session.close()
 
 
+# ipykernel 7's shutdown race, made certain. After the shutdown reply the
+# control thread publishes "idle" through the IOPub thread, while the exiting
+# main thread stops that thread (an atexit handler). Here they meet in the
+# worst order: the publish finds the IOPub thread alive; the IOPub thread then
+# stops and closes its end of the event pipe; the publish sends into the pipe
+# nobody reads and blocks for good; kernelapp.close joins the control thread
+# forever, and jupyter_client SIGTERMs the kernel 2.5 s after its request.
+# Without mlx-notebook's exit hook this fails every time (4 of 4). The hook
+# waits for the control thread before the IOPub thread is stopped, so the
+# publish sends while it still runs. Left to chance it happened in 1 of 22
+# shutdowns during a cold load, and in 1 of 40 in a plain kernel with a busy
+# thread.
+_IDLE_RACES_THE_EXIT = """
+def _race(kernel):  # closures: IPython clears the user namespace at exit
+    import threading, time
+    from collections import deque
+    iopub, racing = kernel.iopub_thread, threading.local()
+    checked, puller_closed = threading.Event(), threading.Event()
+
+    class Events(deque):
+        def append(self, f):
+            if getattr(racing, "on", False):  # the control thread found IOPub alive
+                checked.set()
+                if puller_closed.wait(0.5):  # the IOPub thread closed its end
+                    time.sleep(0.05)  # and zmq tore the pipe down
+            super().append(f)
+
+    iopub._events = Events(iopub._events)
+    publish, loop_stop, loop_close = kernel._publish_status_and_flush, iopub.io_loop.stop, iopub.io_loop.close
+
+    def racing_publish(status, channel, *args, **kwargs):
+        racing.on = status == "idle" and channel == "control" and kernel._shutdown_message is not None
+        try:
+            return publish(status, channel, *args, **kwargs)
+        finally:
+            racing.on = False
+
+    def stop_after_the_check():  # on the IOPub thread, when it is told to stop
+        checked.wait(1.0)
+        loop_stop()
+
+    def close_then_linger(*args, **kwargs):  # the IOPub thread's last step
+        loop_close(*args, **kwargs)
+        puller_closed.set()
+        time.sleep(0.3)  # the main thread closes the senders' ends only after this thread ends
+
+    kernel._publish_status_and_flush = racing_publish
+    iopub.io_loop.stop, iopub.io_loop.close = stop_after_the_check, close_then_linger
+
+_race(get_ipython().kernel)
+"""
+
+
+@pytest.mark.kernel
+def test_shutdown_waits_for_the_control_threads_last_status(model_name: str) -> None:
+    session = _session(model_name)
+    try:
+        assert session.execute(_IDLE_RACES_THE_EXIT).ok
+        session.km.shutdown_kernel(now=False)
+        assert session.process.wait(timeout=10) == 0, "shutdown: the kernel did not exit cleanly"
+        assert session.km._shutdown_status.name == "ShutdownRequest", session.km._shutdown_status
+    finally:
+        session.close()
+
+
 @pytest.mark.kernel
 def test_quickstart_notebook_runs_headless(model_name: str) -> None:
     from scripts import run_quickstart

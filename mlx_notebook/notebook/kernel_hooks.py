@@ -20,7 +20,9 @@ Three situations, three hooks:
   and stop the worker before the interpreter finalizes. The views still
   following a generation are told why first, so each shows its last state
   ("stopped: kernel restarted", buttons off) and leaves the text so far as a
-  real output, not a widget that says "decoding" forever.
+  real output, not a widget that says "decoding" forever. At exit after a
+  shutdown request, the ``atexit`` handler also lets ipykernel's control thread
+  finish its reply (see :meth:`KernelHooks._let_control_finish`).
 
 The ``KeyboardInterrupt`` a stopped ``--wait`` cell raises renders as one
 line (IPython's ``_render_traceback_``): the user asked for the stop, so the
@@ -69,6 +71,9 @@ _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the hel
 # Seconds a shutdown waits for the current piece of work: pieces are sized to
 # the stop budget (~0.1 s), and jupyter_client sends SIGTERM after 2.5 s.
 SHUTDOWN_DRAIN_S = 2.0
+# Seconds the exit waits for ipykernel's control thread to end after a shutdown
+# request; it normally ends within milliseconds.
+CONTROL_FINISH_S = 1.0
 
 
 def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False) -> None:
@@ -228,6 +233,7 @@ class KernelHooks:
         self._had_own_do_shutdown = False
         self._own_do_shutdown: Any = None
         self._do_shutdown: Callable[..., Any] | None = None
+        self._shutdown_requested = False
 
     # -- install / uninstall ------------------------------------------------
 
@@ -356,6 +362,7 @@ class KernelHooks:
 
         def do_shutdown(restart: bool) -> Any:
             # Runs on the control thread; the main thread may be busy in a cell.
+            self._shutdown_requested = True
             self.stop_worker(reason="kernel restarted" if restart else "kernel shut down")
             return original(restart)
 
@@ -408,3 +415,28 @@ class KernelHooks:
 
     def _at_exit(self) -> None:
         self.stop_worker()
+        if self._shutdown_requested:
+            self._let_control_finish()
+
+    def _let_control_finish(self, timeout: float = CONTROL_FINISH_S) -> None:
+        """Wait until ipykernel's control thread has sent its last status after a shutdown request.
+
+        A race in ipykernel 7 (``kernelapp.close`` vs ``process_control``):
+        after the shutdown reply the control thread still publishes "idle"
+        through the IOPub thread, while the main thread, already exiting, stops
+        that thread in ``close`` (an ``atexit`` handler registered before this
+        one, so it runs after it). A publish that checks the IOPub thread alive
+        just before it stops sends into a pipe nobody reads and blocks for
+        good; ``close`` then joins the control thread forever, and
+        jupyter_client SIGTERMs the kernel 2.5 s after its request. A helper
+        thread of ours still busy at exit (a stopped load's ``import``, which
+        cannot be interrupted) holds the GIL half the time and widens the
+        window: 1 shutdown in 22 during a cold load. The control thread ends
+        once that publish is done (the shutdown request stopped its loop), so
+        waiting for it here, with IOPub still running, closes the race.
+        """
+        control = getattr(self.kernel, "control_thread", None)
+        if isinstance(control, threading.Thread) and control is not threading.current_thread():
+            control.join(timeout)
+            if control.is_alive():
+                log.warning("mlx-notebook: the kernel's control thread did not end within %.1f s", timeout)
