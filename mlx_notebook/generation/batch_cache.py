@@ -20,6 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .chunks import KV_STEP
+
 Cache = list[Any]
 # mlx-lm is imported inside the functions: importing it takes ~1.3 s
 # (transformers), which the first load does on a helper thread, stoppably.
@@ -50,14 +52,45 @@ def merge(caches: list[Cache]) -> tuple[Cache, list[int]]:
 def extend(batch: Cache, pads: list[int], other: Cache, other_pads: list[int]) -> list[int]:
     """Append ``other``'s rows to ``batch`` in place; return the new paddings.
 
-    ``BatchKVCache.extend`` right-aligns both at the longer one's end, adding
-    the difference to the shorter side's padding.
+    Both sides are right-aligned at the longer one's end, the difference added
+    to the shorter side's padding, as ``BatchKVCache.extend`` does. Unlike it,
+    each layer's keys and values are built in one allocation, with room for
+    the next ``KV_STEP`` tokens: mlx-lm's ``extend`` pads both sides (two
+    copies) and then concatenates them (a third), and leaves no room, so the
+    first decode step after it grew the cache again, copying every row once
+    more. On an H200 (Qwen3-8B shape, 7 rows of 1k joined by an 8k prompt,
+    7.7 GB of new KV) those were 20-28 ms of extend and ~15 ms on the first
+    step, both inside the other rows' gap between two tokens.
     """
     size, other_size = batch[0]._idx, other[0]._idx
-    for layer, extra in zip(batch, other):
-        layer.extend(extra)
     top = max(size, other_size)
+    capacity = capacity_for(top)
+    for layer, extra in zip(batch, other):
+        if layer.keys is None or extra.keys is None:
+            layer.extend(extra)  # an empty side: nothing to copy (mlx-lm's own)
+            continue
+        layer.keys = _joined(layer.keys, extra.keys, size, other_size, top, capacity)
+        layer.values = _joined(layer.values, extra.values, size, other_size, top, capacity)
+        layer.offset = mx.concatenate([layer.offset, extra.offset])
+        layer.left_padding = mx.concatenate(
+            [layer.left_padding + (top - size), extra.left_padding + (top - other_size)]
+        )
+        layer._idx = top
     return [p + top - size for p in pads] + [p + top - other_size for p in other_pads]
+
+
+def capacity_for(top: int) -> int:
+    """Positions a joined cache holds when its longest row has ``top``: room for the next ``KV_STEP``."""
+    return (top // KV_STEP + 1) * KV_STEP
+
+
+def _joined(a: mx.array, b: mx.array, a_size: int, b_size: int, top: int, capacity: int) -> mx.array:
+    """Rows of ``a`` then of ``b``, each's first ``*_size`` positions ending at ``top``, in a ``capacity`` buffer."""
+    rows = a.shape[0]
+    out = mx.zeros((rows + b.shape[0], a.shape[1], capacity, a.shape[3]), a.dtype)
+    out[:rows, :, top - a_size : top, :] = a[..., :a_size, :]
+    out[rows:, :, top - b_size : top, :] = b[..., :b_size, :]
+    return out
 
 
 def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ import mlx.core as mx
 from ..control import Pace
 from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel
-from . import batch_cache
+from . import batch_cache, row_attention
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from .constraint_matcher import RowMatcher, mask_logits
@@ -200,6 +200,7 @@ class DecodeBatch:
         self.steps = 0
         # When the last step's tokens were read (time.perf_counter).
         self.last_step_at = 0.0
+        self._row_attention = row_attention.wanted() and row_attention.install(self.model)
 
     # -- membership -----------------------------------------------------------
 
@@ -673,6 +674,8 @@ class DecodeBatch:
             # Before the call, not after as mlx-lm does: the same cache at every
             # call, and a step built ahead and undone on pause converted nothing.
             self.rows[0].kv.quantize(self._cache)
+        elif self._row_attention:
+            row_attention.mark(self._cache, self._row_pads())
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
         return self._processed(logits, inputs if pending else None)
 
@@ -723,6 +726,12 @@ class DecodeBatch:
             top = mx.argpartition(-row_lp, k - 1)[:k]
             kept.append((row_lp[tokens[i]], top, row_lp[top]))
         return _Step(tokens, kept)
+
+    def _row_pads(self) -> list[int] | None:
+        """The rows' paddings where the step's attention goes without the mask (see :mod:`.row_attention`)."""
+        if not any(self._pads) or self._cache[0]._idx + 1 >= row_attention.MIN_POSITIONS:
+            return list(self._pads)
+        return None
 
     def _row_kv_bytes(self) -> int:
         """Bytes of KV cache per row now (a batch's padded cache shared out evenly)."""

@@ -1,0 +1,49 @@
+"""Batched KV cache edits against mlx-lm's own: the same rows, paddings and positions."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_notebook.generation import batch_cache
+
+pytestmark = pytest.mark.unit
+
+
+def _single(n: int, seed: int):
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    if n:
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(seed))
+        cache.update_and_fetch(k, k * 2)
+    return cache
+
+
+@pytest.mark.parametrize("sizes, joining", [([5, 9], [300]), ([300, 40], [7]), ([12], [12, 3]), ([257, 1], [256])])
+def test_extend_gives_mlx_lms_rows_with_room_for_the_next_token(sizes: list[int], joining: list[int]) -> None:
+    from mlx_lm.models.cache import BatchKVCache
+
+    ours, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
+    theirs, _ = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
+    other, other_pads = batch_cache.merge([[_single(n, 50 + i)] for i, n in enumerate(joining)])
+    other2, _ = batch_cache.merge([[_single(n, 50 + i)] for i, n in enumerate(joining)])
+    new_pads = batch_cache.extend(ours, pads, other, other_pads)
+    BatchKVCache.extend(theirs[0], other2[0])
+    mine, ref = ours[0], theirs[0]
+    assert mine._idx == ref._idx == max(sizes + joining)
+    assert mine.left_padding.tolist() == ref.left_padding.tolist() == new_pads
+    assert mine.offset.tolist() == ref.offset.tolist()
+    for a, b in zip(mine.keys_and_values(), ref.keys_and_values()):
+        for row, pad in enumerate(new_pads):  # padding positions hold nothing read
+            assert mx.array_equal(a[row, :, pad:], b[row, :, pad:])
+    # The next decode step writes in place: no growth (a copy of every row) on it.
+    assert mine.keys.shape[2] > mine._idx
+    k = mx.ones((len(new_pads), 2, 1, 4))
+    before = mine.keys.shape[2]
+    mine.update_and_fetch(k, k)
+    ref.update_and_fetch(k, k)
+    assert mine.keys.shape[2] == before
+    for a, b in zip(mine.keys_and_values(), ref.keys_and_values()):
+        for row, pad in enumerate(new_pads):
+            assert mx.array_equal(a[row, :, pad:], b[row, :, pad:])
