@@ -34,6 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .chunks import builds_kernels_per_shape
+
 # Positions from which a padded batch's step attends row by row (measured
 # crossover on an H200: masked 0.30 vs rows 0.26 ms at 4k, 0.17 vs 0.42 at 2k).
 MIN_POSITIONS = 4096
@@ -41,9 +43,8 @@ _WRAPPED = "_mlx_notebook_row_attention"
 
 
 def wanted() -> bool:
-    """Whether this device's fused attention refuses masks (the CUDA backend)."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
+    """Whether this device's fused attention refuses masks: the CUDA backend (the same test as the chunk planner's)."""
+    return builds_kernels_per_shape()
 
 
 def install(model: Any) -> bool:
