@@ -56,6 +56,7 @@ from __future__ import annotations
 import mlx_notebook  # isort: skip  (before mlx: OpenBLAS must be loaded first)
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -64,6 +65,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +98,11 @@ def label(bits: int | None) -> str:
     return "bf16" if bits is None else f"{bits}bit"
 
 
-def kv_options(bits: int | None) -> dict[str, Any]:
+def kv_options(bits: int | None, start: int = 0) -> dict[str, Any]:
     """The same KV keywords for our API and mlx-lm's ``generate_step``."""
     if bits is None:
         return {}
-    return {"kv_bits": bits, "kv_group_size": GROUP, "quantized_kv_start": 0}
+    return {"kv_bits": bits, "kv_group_size": GROUP, "quantized_kv_start": start}
 
 
 def exact_kv_bytes(config: dict, tokens: int, bits: int | None, dtype_bytes: int) -> int:
@@ -167,16 +169,17 @@ def mlx_lm(worker, name: str, ids: list[int], bits: int | None, args) -> dict[st
         cache = make_prompt_cache(loaded.model)
         mx.reset_peak_memory()
         times, tokens, last = [], [], None
-        for last in stream_generate(
-            loaded.model,
-            loaded.tokenizer,
-            ids,
-            max_tokens=args.decode_tokens,
-            prompt_cache=cache,
-            **kv_options(bits),
-        ):
-            times.append(time.perf_counter())
-            tokens.append(last.token)
+        with contiguous_quantized_kv(args.contiguous_kv):
+            for last in stream_generate(
+                loaded.model,
+                loaded.tokenizer,
+                ids,
+                max_tokens=args.decode_tokens,
+                prompt_cache=cache,
+                **kv_options(bits, args.mlx_lm_quantized_start),
+            ):
+                times.append(time.perf_counter())
+                tokens.append(last.token)
         nbytes = cache_nbytes(cache)
         kinds = sorted({type(c).__name__ for c in cache})
         peak = mx.get_peak_memory()
@@ -432,8 +435,9 @@ def mlx_lm_once(worker, name: str, ids: list[int], bits: int) -> dict[str, Any]:
     return worker.call(job)
 
 
-def contiguous_quantized_kv() -> None:
-    """Make mlx-lm's ``QuantizedKVCache`` hand out row-contiguous arrays (a copy per call).
+@contextlib.contextmanager
+def contiguous_quantized_kv(on: bool = True) -> Iterator[None]:
+    """While inside, make mlx-lm's ``QuantizedKVCache`` hand out row-contiguous arrays (a copy per call).
 
     mlx 0.32.4's CUDA ``quantized_matmul`` refuses keys that are a slice of a
     larger buffer (``[quantized_matmul] No implementation for problem shape``):
@@ -442,7 +446,9 @@ def contiguous_quantized_kv() -> None:
     step, in mlx-lm's ``stream_generate`` as in ours (the attention probe and
     ``mlx_lm_check`` in the result show it). With this patch (``--contiguous-kv``)
     both run, at the cost of one copy of the quantized cache per layer per call,
-    the same for both. It is the benchmark's, not the product's.
+    the same for both. It is the benchmark's, not the product's. Since ours
+    attends over dequantized layers on CUDA (``dequantized_attention``), only
+    mlx-lm's runs are patched.
     """
     from mlx_lm.models.cache import QuantizedKVCache
 
@@ -452,7 +458,12 @@ def contiguous_quantized_kv() -> None:
         k, v = original(self, keys, values)
         return tuple(mx.contiguous(x) for x in k), tuple(mx.contiguous(x) for x in v)
 
-    QuantizedKVCache.update_and_fetch = update_and_fetch
+    if on:
+        QuantizedKVCache.update_and_fetch = update_and_fetch
+    try:
+        yield
+    finally:
+        QuantizedKVCache.update_and_fetch = original
 
 
 def cache_bytes_at_size(config: dict, dtype, context: int, decode_tokens: int, bits_list) -> dict[str, Any]:
@@ -524,16 +535,17 @@ def run_shape(shape: str, args, result: dict[str, Any], sampler: GilSampler) -> 
             part.setdefault("mlx_lm_check", []).append(check)
             save(result, args.json)
         settings: list[int | None] = [None, *args.bits]
-        print(f"{shape}: throughput and bytes, context {len(ids)}", flush=True)
-        part["throughput"] = throughput(worker, name, ids, config, dtype_bytes, args, settings)
-        save(result, args.json)
+        if not args.skip_throughput:
+            print(f"{shape}: throughput and bytes, context {len(ids)}", flush=True)
+            part["throughput"] = throughput(worker, name, ids, config, dtype_bytes, args, settings)
+            save(result, args.json)
         part["stops"] = {}
         for phase in args.phases:
             for bits in args.bits:
+                measured = part.get("throughput", {})
                 if phase == "prefill":
-                    window = part["throughput"][label(bits)].get("ours_prefill_s") or part["throughput"].get(
-                        "bf16", {}
-                    ).get("ours_prefill_s")
+                    window = args.prefill_window or measured.get(label(bits), {}).get("ours_prefill_s")
+                    window = window or measured.get("bf16", {}).get("ours_prefill_s")
                 else:
                     window = args.decode_window
                 if window is None:
@@ -613,9 +625,18 @@ def main() -> None:
     ap.add_argument(
         "--contiguous-kv",
         action="store_true",
-        help="copy mlx-lm's quantized cache to row-contiguous arrays at every call, for ours and mlx-lm alike "
+        help="copy mlx-lm's quantized cache to row-contiguous arrays at every call, in mlx-lm's runs "
         "(mlx 0.32.4's CUDA quantized_matmul refuses the cache's slices: see contiguous_quantized_kv)",
     )
+    ap.add_argument(
+        "--mlx-lm-quantized-start",
+        type=int,
+        default=0,
+        help="mlx-lm's quantized_kv_start (ours: 0); the context length quantizes its cache after the prompt, "
+        "for a prefill at bf16 speed where its quantized prefill crawls (71 tok/s on CUDA)",
+    )
+    ap.add_argument("--skip-throughput", action="store_true", help="only the stops (--prefill-window sets their window)")
+    ap.add_argument("--prefill-window", type=float, help="seconds of prefill the prefill stops fall in (default: measured)")
     ap.add_argument(
         "--bytes-only",
         action="store_true",
@@ -648,8 +669,7 @@ def main() -> None:
         "shapes": {},
     }
     result["contiguous_kv_workaround"] = args.contiguous_kv
-    if args.contiguous_kv:
-        contiguous_quantized_kv()
+    result["mlx_lm_quantized_kv_start"] = args.mlx_lm_quantized_start
     if args.probe:
         lengths = [int(x) for x in args.probe.split(",")]
         spec = spec_for(args.shape.split(",")[0], args)

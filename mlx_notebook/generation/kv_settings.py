@@ -17,15 +17,9 @@ the next one (never before the first), which is the same cache at every call
 on pause (its forward quantized only what the uninterrupted run's would
 have). A saved cache is written as it is; the next call converts it if due.
 
-On MLX's CUDA backend (mlx 0.32.4) a quantized cache fails at the first
-decode step, in mlx-lm's own ``stream_generate`` as well:
-``quantized_matmul`` has no kernel for the strided slice of the cache's
-buffer that attention reads (it works only when the buffer is exactly full).
-``kv_bits`` is refused there in one line, before any work
-(:func:`quantized_kv_supported`). Handing attention contiguous copies of the
-cache gets past the error but not to a usable speed: mlx-lm's own 8-bit KV
-then decoded at 2.3 tok/s against 104 with bf16 on an H200 (Qwen3-8B shape,
-8k context; docs/benchmarks.md), a step far over any stop budget.
+On MLX's CUDA backend (mlx 0.32.4) mlx-lm's quantized attention fails or
+crawls; there a quantized cache is attended over dequantized, one layer at
+a time (:mod:`.dequantized_attention`).
 
 Rows with either setting decode alone: mlx-lm batches plain ``KVCache``
 layers only (there is no batched quantized cache, and a rotating row's
@@ -130,16 +124,6 @@ class KVSettings:
         }
 
 
-def quantized_kv_supported() -> bool:
-    """Whether the default device runs mlx-lm's quantized KV cache (not the CUDA backend of mlx 0.32)."""
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.cpu:
-        return True
-    cuda = getattr(mx, "cuda", None)
-    return not (cuda is not None and cuda.is_available())
-
-
 def cache_nbytes(cache: list[Any]) -> int:
     """Bytes of keys and values ``cache`` holds (quantized data, scales and biases included)."""
     total = 0
@@ -158,5 +142,4 @@ __all__ = [
     "KV_GROUP_SIZES",
     "KVSettings",
     "cache_nbytes",
-    "quantized_kv_supported",
 ]

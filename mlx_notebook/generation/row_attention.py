@@ -28,18 +28,17 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
+from .attention_patch import wrap
 from .chunks import builds_kernels_per_shape
 
 # Positions from which a padded batch's step attends row by row (measured
 # crossover on an H200: masked 0.30 vs rows 0.26 ms at 4k, 0.17 vs 0.42 at 2k).
 MIN_POSITIONS = 4096
-_WRAPPED = "_mlx_notebook_row_attention"
 
 
 def wanted() -> bool:
@@ -49,15 +48,7 @@ def wanted() -> bool:
 
 def install(model: Any) -> bool:
     """Wrap the attention function of ``model``'s module; return whether it has one (idempotent)."""
-    module = sys.modules.get(type(model).__module__)
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if module is None or original is None:
-        return False
-    if not getattr(original, _WRAPPED, False):
-        wrapped = _row_by_row(original)
-        setattr(wrapped, _WRAPPED, True)
-        module.scaled_dot_product_attention = wrapped  # type: ignore[attr-defined]
-    return True
+    return wrap(model, "rows", _row_by_row)
 
 
 def _row_by_row(original: Callable[..., mx.array]) -> Callable[..., mx.array]:

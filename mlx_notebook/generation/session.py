@@ -33,13 +33,13 @@ from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
 from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
-from . import batch_cache
+from . import batch_cache, dequantized_attention
 from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .constraint_matcher import start_grammar_process
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
-from .kv_settings import KV_GROUP_SIZES, KVSettings, quantized_kv_supported
+from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .persist import load_seed
 from .prefill import prefill
 from .prefix_cache import KV_STEP, PromptCache, common_prefix, restore, storable, trimmed
@@ -241,7 +241,7 @@ class Session:
                 if gen.request.constraint is not None:
                     start_grammar_process(loaded)  # its tokenizer builds in a child while the prompt is read
                 _check_logit_bias(loaded, gen.request)
-                _check_kv_bits(loaded, gen.request)
+                _prepare_kv_bits(loaded, gen.request)
                 resume = reporter.resume
                 prompt = resume.prompt if resume is not None else prepare_prompt(loaded, gen.request)
                 # What the cache will hold: the prompt, and a resumed generation's tokens so far.
@@ -414,14 +414,19 @@ def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
         raise InvalidArgumentError(f"logit_bias token id {bad[0]} is not in the model's vocabulary (0-{vocab - 1})")
 
 
-def _check_kv_bits(loaded: LoadedModel, request: Any) -> None:
-    """``kv_group_size`` must divide the model's head size (known only once it is loaded)."""
+def _prepare_kv_bits(loaded: LoadedModel, request: Any) -> None:
+    """Check ``kv_group_size`` against the model's head size (known only once it is loaded) and route attention.
+
+    On the CUDA backend a quantized cache is attended over dequantized
+    (:mod:`.dequantized_attention`); a model whose module has no mlx-lm
+    attention function to route is refused there.
+    """
     if request.kv_bits is None:
         return
-    if not quantized_kv_supported():
+    if dequantized_attention.wanted() and not dequantized_attention.install(loaded.model):
         raise InvalidArgumentError(
-            "kv_bits does not run on MLX's CUDA backend yet (mlx 0.32: quantized_matmul has no kernel "
-            "for the KV cache's strided slices, and mlx-lm's own fails the same way): leave kv_bits unset here"
+            f"kv_bits does not run for {type(loaded.model).__module__} on MLX's CUDA backend (its attention "
+            "does not go through mlx-lm's scaled_dot_product_attention): leave kv_bits unset for this model"
         )
     config = loaded.config
     heads = config.get("num_attention_heads")

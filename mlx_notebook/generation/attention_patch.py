@@ -1,0 +1,54 @@
+"""Wrapping a model module's attention function, once per purpose, composable.
+
+mlx-lm's model modules call ``scaled_dot_product_attention`` (imported from
+``mlx_lm.models.base``) from each attention layer. Where MLX's backend needs
+another route for some calls (a padded batch on CUDA, a quantized cache on
+CUDA), the module's name is rebound to a wrapper that takes those calls and
+hands every other call to what was there before. Each wrapper is tagged
+with its purpose, and the tags of the function it wraps are carried over,
+so installing twice is a no-op and two purposes stack in either order.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+NAME = "scaled_dot_product_attention"
+_TAGS = "_mlx_notebook_attention_tags"
+
+Attention = Callable[..., Any]
+
+
+def module_of(model: Any) -> Any:
+    """The module that defines ``model``'s class (where its attention layers look the function up)."""
+    return sys.modules.get(type(model).__module__)
+
+
+def wrap(model: Any, tag: str, make: Callable[[Attention], Attention]) -> bool:
+    """Rebind ``model``'s module's attention to ``make(current)`` unless ``tag`` is already on it.
+
+    Returns whether the module has the function at all (a model with its own
+    attention code cannot be routed this way).
+    """
+    module = module_of(model)
+    current = getattr(module, NAME, None)
+    if module is None or current is None:
+        return False
+    tags: frozenset[str] = getattr(current, _TAGS, frozenset())
+    if tag not in tags:
+        wrapped = make(current)
+        setattr(wrapped, _TAGS, tags | {tag})
+        setattr(module, NAME, wrapped)
+    return True
+
+
+def unwrap(model: Any, original: Attention) -> None:
+    """Put ``original`` back as the module's function (tests that force a route on the CPU)."""
+    setattr(module_of(model), NAME, original)
+
+
+__all__ = ["module_of", "unwrap", "wrap"]
