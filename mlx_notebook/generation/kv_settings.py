@@ -17,9 +17,9 @@ the next one (never before the first), which is the same cache at every call
 on pause (its forward quantized only what the uninterrupted run's would
 have). A saved cache is written as it is; the next call converts it if due.
 
-On MLX's CUDA backend (mlx 0.32.4) mlx-lm's quantized attention fails or
-crawls; there a quantized cache is attended over dequantized, one layer at
-a time (:mod:`.dequantized_attention`).
+On MLX's CUDA backend (mlx 0.32.4) mlx-lm's quantized attention fails on
+the cache's strided slices; there it runs on the cache's whole buffer
+(:mod:`.quantized_attention`).
 
 Rows with either setting decode alone: mlx-lm batches plain ``KVCache``
 layers only (there is no batched quantized cache, and a rotating row's

@@ -33,7 +33,7 @@ from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
 from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
-from . import batch_cache, dequantized_attention
+from . import batch_cache, quantized_attention
 from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .constraint_matcher import start_grammar_process
@@ -417,13 +417,13 @@ def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
 def _prepare_kv_bits(loaded: LoadedModel, request: Any) -> None:
     """Check ``kv_group_size`` against the model's head size (known only once it is loaded) and route attention.
 
-    On the CUDA backend a quantized cache is attended over dequantized
-    (:mod:`.dequantized_attention`); a model whose module has no mlx-lm
-    attention function to route is refused there.
+    On the CUDA backend attention over a quantized cache takes the cache's
+    whole buffer (:mod:`.quantized_attention`); a model whose module has no
+    mlx-lm attention function to route is refused there.
     """
     if request.kv_bits is None:
         return
-    if dequantized_attention.wanted() and not dequantized_attention.install(loaded.model):
+    if quantized_attention.wanted() and not quantized_attention.install(loaded.model):
         raise InvalidArgumentError(
             f"kv_bits does not run for {type(loaded.model).__module__} on MLX's CUDA backend (its attention "
             "does not go through mlx-lm's scaled_dot_product_attention): leave kv_bits unset for this model"

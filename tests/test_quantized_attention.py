@@ -1,8 +1,10 @@
-"""Attention over a dequantized cache (the CUDA route for ``kv_bits``) gives what mlx-lm's quantized attention gives.
+"""Quantized attention over the cache's whole buffer (the CUDA route for ``kv_bits``) gives mlx-lm's numbers.
 
 The route is switched on only on MLX's CUDA backend, whose quantized matmul
 refuses the cache's slices; here it is forced on the CPU, against mlx-lm's
-own quantized attention on the same caches, and through whole generations.
+own quantized attention on the same caches (with its matmuls made to fail
+as on CUDA while the route runs, so a call that reaches them shows), and
+through whole generations.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_notebook
-from mlx_notebook.generation import attention_patch, dequantized_attention, row_attention
+from mlx_notebook.generation import attention_patch, quantized_attention, row_attention
 from mlx_notebook.generation.kv_settings import KVSettings
 from testkit.tiny_model import make_tiny_model
 from testkit.waiting import assert_stays_paused, other_generation, wait_tokens
@@ -24,7 +26,7 @@ PROMPT = "The history of the lighthouse keepers on the northern coast, told by o
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random llama with head size 64 (hidden 256, 4 heads, 2 KV heads)."""
-    return make_tiny_model(tmp_path_factory.mktemp("dq") / "model", layers=2, hidden=256, heads=4, intermediate=256)
+    return make_tiny_model(tmp_path_factory.mktemp("qa") / "model", layers=2, hidden=256, heads=4, intermediate=256)
 
 
 @pytest.fixture(scope="module")
@@ -70,23 +72,47 @@ def _current(model):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
-def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, monkeypatch, bits, group) -> None:
+def test_whole_buffer_route_equals_mlx_lms_quantized_attention(model, restored, monkeypatch, bits, group) -> None:
     settings = KVSettings(bits=bits, group_size=group, quantized_start=0)
-    # A first chunk (plain cache), two chunks over the quantized cache (causal mask), then single steps.
+    # A first chunk (plain cache), chunks over the quantized cache (causal mask), then single steps, past
+    # the buffer's first 256 positions so that it grows (and its unused tail changes length).
     chunks = [list(range(10, 40)), list(range(40, 77)), list(range(77, 90)), [5], [6], [7]]
+    chunks += [list(range(100, 300)), [8], list(range(3, 60)), [9]]
     reference = _forward(model, settings, chunks)
-    assert dequantized_attention.install(model) and dequantized_attention.install(model)  # idempotent
+    assert quantized_attention.install(model) and quantized_attention.install(model)  # idempotent
     _refuse_quantized_matmuls(monkeypatch)
     routed = _forward(model, settings, chunks)
     for ref, got in zip(reference, routed, strict=True):
-        assert mx.allclose(ref, got, atol=1e-4).item(), float(mx.abs(ref - got).max())
+        assert mx.allclose(ref, got, atol=1e-5).item(), float(mx.abs(ref - got).max())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_an_array_mask_is_extended_over_the_unused_tail(kind: str) -> None:
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(group_size=64, bits=8)
+    kv = mx.random.normal((1, 2, 37, 64), key=mx.random.key(1))
+    cache.update_and_fetch(kv, kv)
+    new = mx.random.normal((1, 2, 3, 64), key=mx.random.key(2))
+    keys, values = cache.update_and_fetch(new, new)
+    queries = mx.random.normal((1, 4, 3, 64), key=mx.random.key(3))
+    mask = mx.random.uniform(shape=(1, 1, 3, 40), key=mx.random.key(4)) > 0.3
+    if kind == "additive":
+        mask = mx.where(mask, 0.0, -1e9)
+    # `queries * 1`: mlx-lm's function scales its queries in place (`queries *= scale`).
+    expected = quantized_scaled_dot_product_attention(queries * 1, keys, values, scale=0.125, mask=mask, bits=8)
+    got = quantized_attention.whole_buffer_attention(queries, cache, 0.125, mask)
+    assert cache.keys[0].shape[-2] == 256  # the buffer is longer than the 40 kept positions
+    assert mx.allclose(expected, got, atol=1e-5).item(), float(mx.abs(expected - got).max())
 
 
 @pytest.mark.unit
 def test_both_routes_stack_in_either_order(model, restored, monkeypatch) -> None:
-    assert row_attention.install(model) and dequantized_attention.install(model)
+    assert row_attention.install(model) and quantized_attention.install(model)
     first = _current(model)
-    assert row_attention.install(model) and dequantized_attention.install(model)
+    assert row_attention.install(model) and quantized_attention.install(model)
     assert _current(model) is first  # neither wrapped again
     _refuse_quantized_matmuls(monkeypatch)
     settings = KVSettings(bits=8, quantized_start=0)
@@ -103,7 +129,7 @@ def test_generations_with_the_route_forced(worker, folder, model, restored, monk
         reference.result(timeout=120)
         assert reference.state == "done", reference.error
 
-        monkeypatch.setattr(dequantized_attention, "wanted", lambda: True)
+        monkeypatch.setattr(quantized_attention, "wanted", lambda: True)
         _refuse_quantized_matmuls(monkeypatch)
         routed = mlx_notebook.generate(PROMPT, model=name, worker=worker, max_tokens=24, **settings)
         routed.result(timeout=120)
