@@ -1,4 +1,4 @@
-"""Quantized attention over the cache's whole buffer (the CUDA route for ``kv_bits``) gives mlx-lm's numbers.
+"""Attention over dequantized layers (the CUDA route for ``kv_bits``) gives mlx-lm's quantized attention's numbers.
 
 The route is switched on only on MLX's CUDA backend, whose quantized matmul
 refuses the cache's slices; here it is forced on the CPU, against mlx-lm's
@@ -72,10 +72,10 @@ def _current(model):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
-def test_whole_buffer_route_equals_mlx_lms_quantized_attention(model, restored, monkeypatch, bits, group) -> None:
+def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, monkeypatch, bits, group) -> None:
     settings = KVSettings(bits=bits, group_size=group, quantized_start=0)
     # A first chunk (plain cache), chunks over the quantized cache (causal mask), then single steps, past
-    # the buffer's first 256 positions so that it grows (and its unused tail changes length).
+    # the buffer's first 256 positions so that it grows.
     chunks = [list(range(10, 40)), list(range(40, 77)), list(range(77, 90)), [5], [6], [7]]
     chunks += [list(range(100, 300)), [8], list(range(3, 60)), [9]]
     reference = _forward(model, settings, chunks)
@@ -83,29 +83,7 @@ def test_whole_buffer_route_equals_mlx_lms_quantized_attention(model, restored, 
     _refuse_quantized_matmuls(monkeypatch)
     routed = _forward(model, settings, chunks)
     for ref, got in zip(reference, routed, strict=True):
-        assert mx.allclose(ref, got, atol=1e-5).item(), float(mx.abs(ref - got).max())
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_an_array_mask_is_extended_over_the_unused_tail(kind: str) -> None:
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    cache = QuantizedKVCache(group_size=64, bits=8)
-    kv = mx.random.normal((1, 2, 37, 64), key=mx.random.key(1))
-    cache.update_and_fetch(kv, kv)
-    new = mx.random.normal((1, 2, 3, 64), key=mx.random.key(2))
-    keys, values = cache.update_and_fetch(new, new)
-    queries = mx.random.normal((1, 4, 3, 64), key=mx.random.key(3))
-    mask = mx.random.uniform(shape=(1, 1, 3, 40), key=mx.random.key(4)) > 0.3
-    if kind == "additive":
-        mask = mx.where(mask, 0.0, -1e9)
-    # `queries * 1`: mlx-lm's function scales its queries in place (`queries *= scale`).
-    expected = quantized_scaled_dot_product_attention(queries * 1, keys, values, scale=0.125, mask=mask, bits=8)
-    got = quantized_attention.whole_buffer_attention(queries, cache, 0.125, mask)
-    assert cache.keys[0].shape[-2] == 256  # the buffer is longer than the 40 kept positions
-    assert mx.allclose(expected, got, atol=1e-5).item(), float(mx.abs(expected - got).max())
+        assert mx.allclose(ref, got, atol=1e-4).item(), float(mx.abs(ref - got).max())
 
 
 @pytest.mark.unit

@@ -18,7 +18,7 @@ on pause (its forward quantized only what the uninterrupted run's would
 have). A saved cache is written as it is; the next call converts it if due.
 
 On MLX's CUDA backend (mlx 0.32.4) mlx-lm's quantized attention fails on
-the cache's strided slices; there it runs on the cache's whole buffer
+the cache's strided slices; there each layer is attended over dequantized
 (:mod:`.quantized_attention`).
 
 Rows with either setting decode alone: mlx-lm batches plain ``KVCache``

@@ -417,8 +417,8 @@ def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
 def _prepare_kv_bits(loaded: LoadedModel, request: Any) -> None:
     """Check ``kv_group_size`` against the model's head size (known only once it is loaded) and route attention.
 
-    On the CUDA backend attention over a quantized cache takes the cache's
-    whole buffer (:mod:`.quantized_attention`); a model whose module has no
+    On the CUDA backend attention over a quantized cache runs on each layer
+    dequantized (:mod:`.quantized_attention`); a model whose module has no
     mlx-lm attention function to route is refused there.
     """
     if request.kv_bits is None:
