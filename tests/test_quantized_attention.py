@@ -83,7 +83,8 @@ def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, m
     _refuse_quantized_matmuls(monkeypatch)
     routed = _forward(model, settings, chunks)
     for ref, got in zip(reference, routed, strict=True):
-        assert mx.allclose(ref, got, atol=1e-4).item(), float(mx.abs(ref - got).max())
+        # Relative: fp32 sums in another order (OpenBLAS's matmuls against the fused kernel) over logits up to ~18.
+        assert mx.allclose(ref, got, rtol=1e-3, atol=1e-3).item(), float(mx.abs(ref - got).max())
 
 
 @pytest.mark.unit
