@@ -83,8 +83,9 @@ def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, m
     _refuse_quantized_matmuls(monkeypatch)
     routed = _forward(model, settings, chunks)
     for ref, got in zip(reference, routed, strict=True):
-        # Relative: fp32 sums in another order (OpenBLAS's matmuls against the fused kernel) over logits up to ~18.
-        assert mx.allclose(ref, got, rtol=1e-3, atol=1e-3).item(), float(mx.abs(ref - got).max())
+        # fp32 sums in another order (OpenBLAS's matmuls against the fused kernel), over logits up to ~18: most
+        # agree to 1e-5, the largest difference seen is 0.006 (a wrong key or value shows as >0.5).
+        assert mx.allclose(ref, got, atol=2e-2).item(), float(mx.abs(ref - got).max())
 
 
 @pytest.mark.unit
