@@ -35,20 +35,20 @@ random ids, EOS off, greedy:
 Writes what is measured so far to ``--json`` after every part (a run cut short
 keeps its results) and prints the JSON at the end.
 
-On an H200 with mlx 0.32.4 (``mlx-cuda-13``) and mlx-lm 0.32.2, quantized KV
-does not run at all, in mlx-lm's ``stream_generate`` as in ours: CUDA's
-``quantized_matmul`` refuses keys that are a slice of the cache's buffer
-(``[quantized_matmul] No implementation for problem shape: 1x32769x128x32``),
-which they are unless the buffer is exactly full (it grows in steps of 256).
-``--probe`` shows which (keys, chunk) pairs run; ``--mlx-lm-check`` runs
-mlx-lm alone; ``--contiguous-kv`` patches mlx-lm's ``QuantizedKVCache`` to
-return contiguous copies (for both sides) so that the rest can be measured.
-``benchmarks/results/h200_kv_memory_qwen3-8b_no_workaround.json`` is the run
-without it. Next H200 run::
+On an H200 with mlx 0.32.4 (``mlx-cuda-13``) and mlx-lm 0.32.2, mlx-lm's own
+quantized KV does not run: CUDA's ``quantized_matmul`` refuses keys that are a
+slice of the cache's buffer (``[quantized_matmul] No implementation for problem
+shape: 1x32769x128x32``). Ours attends over dequantized layers there
+(``mlx_notebook.generation.quantized_attention``). ``--probe`` shows which
+(keys, chunk) pairs mlx-lm's attention runs; ``--mlx-lm-check`` runs mlx-lm
+alone; ``--contiguous-kv`` patches mlx-lm's ``QuantizedKVCache`` to return
+contiguous copies in mlx-lm's runs so that they run at all, and
+``--mlx-lm-quantized-start`` lets its prefill run at bf16 (its quantized
+prefill crawls). Session 13's run (docs/benchmarks.md)::
 
     bash benchmarks/device_run.sh python3 -m benchmarks.kv_memory --shape qwen3-8b --build-dir /tmp/build \
-        --context 32769 --decode-tokens 128 --repeats 3 --stop-rounds 20 --budget 0.01 --contiguous-kv \
-        --probe 32769 --phases decode,prefill --json $OUT/h200_kv_memory_qwen3-8b.json
+        --context 32768 --decode-tokens 64 --repeats 3 --stop-rounds 10 --phases decode,prefill \
+        --prefill-window 2 --budget 0.01 --contiguous-kv --mlx-lm-quantized-start 32768
 """
 
 from __future__ import annotations
@@ -635,8 +635,12 @@ def main() -> None:
         help="mlx-lm's quantized_kv_start (ours: 0); the context length quantizes its cache after the prompt, "
         "for a prefill at bf16 speed where its quantized prefill crawls (71 tok/s on CUDA)",
     )
-    ap.add_argument("--skip-throughput", action="store_true", help="only the stops (--prefill-window sets their window)")
-    ap.add_argument("--prefill-window", type=float, help="seconds of prefill the prefill stops fall in (default: measured)")
+    ap.add_argument(
+        "--skip-throughput", action="store_true", help="only the stops (--prefill-window sets their window)"
+    )
+    ap.add_argument(
+        "--prefill-window", type=float, help="seconds of prefill the prefill stops fall in (default: measured)"
+    )
     ap.add_argument(
         "--bytes-only",
         action="store_true",
