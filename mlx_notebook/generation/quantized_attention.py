@@ -60,12 +60,17 @@ def _dequantizing(original: Attention) -> Attention:
         bits = getattr(cache, "bits", None)
         if bits is None:  # not a quantized cache
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        group = cache.group_size
-        k = mx.dequantize(*keys, group_size=group, bits=bits, dtype=queries.dtype)
-        v = mx.dequantize(*values, group_size=group, bits=bits, dtype=queries.dtype)
+        k = _dequantized(keys, cache.group_size, bits, queries.dtype)
+        v = _dequantized(values, cache.group_size, bits, queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
     return attention
+
+
+def _dequantized(packed: Any, group: int, bits: int, dtype: mx.Dtype) -> mx.array:
+    """One layer's keys or values, ``(data, scales, biases)`` as the cache holds them, in ``dtype``."""
+    data, scales, biases = packed
+    return mx.dequantize(data, scales, biases, group_size=group, bits=bits, dtype=dtype)
 
 
 __all__ = ["install", "wanted"]
