@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
+from ..loading.blas_threads import fit_to_load
 from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache, quantized_attention
@@ -163,6 +164,7 @@ class Session:
 
     def _step(self) -> None:
         """One step of every batch with work (in turn: they share the device)."""
+        _fit_blas_threads()
         for batch in list(self.batches.values()):
             if batch.has_work():
                 self._step_batch(batch)
@@ -349,6 +351,7 @@ class Session:
         pieces are sized to the budget, so the others' longest gap between
         two tokens stays about one budget plus one step.
         """
+        _fit_blas_threads()
         if not self._streaming():
             return
         batches = [b for b in self.batches.values() if b.rows]
@@ -400,6 +403,12 @@ class Session:
             mx.synchronize(self.stream)
         except Exception:  # the device error is already being reported
             log.debug("synchronize after error failed", exc_info=True)
+
+
+def _fit_blas_threads() -> None:
+    """On the CPU, OpenBLAS's threads to the cores other processes leave free (:mod:`..loading.blas_threads`)."""
+    if mx.default_device().type == mx.cpu:
+        fit_to_load()
 
 
 def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:

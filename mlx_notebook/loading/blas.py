@@ -77,6 +77,11 @@ def preload_openblas() -> str | None:
     return None
 
 
+def openblas_path() -> str | None:
+    """The system OpenBLAS loaded for MLX's CPU matmuls, if one was."""
+    return _loaded
+
+
 def openblas_active() -> bool:
     """Whether MLX's CPU matmuls are bound to a system OpenBLAS."""
     return _loaded is not None
