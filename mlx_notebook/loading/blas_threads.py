@@ -83,8 +83,8 @@ _governor: BlasThreads | None = None
 _tried = False
 
 
-def fit_to_load() -> int | None:
-    """Fit OpenBLAS's threads to the load now (rate-limited); ``None`` where there is nothing to fit."""
+def governor() -> BlasThreads | None:
+    """The process's governor; ``None`` off Linux or without a system OpenBLAS."""
     global _governor, _tried
     if not _tried:
         _tried = True
@@ -96,7 +96,13 @@ def fit_to_load() -> int | None:
                     _governor = BlasThreads(library)
             except OSError:
                 _governor = None
-    return _governor.fit() if _governor is not None else None
+    return _governor
 
 
-__all__ = ["INTERVAL_S", "BlasThreads", "fit_to_load"]
+def fit_to_load() -> int | None:
+    """Fit OpenBLAS's threads to the load now (rate-limited); ``None`` where there is nothing to fit."""
+    current = governor()
+    return current.fit() if current is not None else None
+
+
+__all__ = ["INTERVAL_S", "BlasThreads", "fit_to_load", "governor"]

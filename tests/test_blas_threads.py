@@ -1,0 +1,84 @@
+"""OpenBLAS's threads follow the load: fewer while other processes take the cores, all of them when quiet.
+
+The decision is checked on a written ``/proc/stat`` (the numbers are the
+input; the library calls are counted), and the shipped governor on this
+machine's real ``/proc/stat`` and real OpenBLAS against real busy processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_notebook.loading import blas, blas_threads
+from testkit.waiting import wait_until
+
+
+class _Library:
+    """What BlasThreads calls of libopenblas: the thread count set, recorded."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+        self.calls: list[int] = []
+
+    def openblas_get_num_threads(self) -> int:
+        return self.cores
+
+    def openblas_set_num_threads(self, n: int) -> None:
+        self.calls.append(n)
+
+
+def _write_stat(path: Path, busy_ticks: int, idle_ticks: int) -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    path.write_text(f"cpu  {busy_ticks} 0 0 {idle_ticks} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\n")
+
+
+@pytest.mark.unit
+def test_threads_follow_the_other_processes_cpu_time(tmp_path: Path, monkeypatch) -> None:
+    stat = tmp_path / "stat"
+    lib = _Library(cores=4)
+    tick = os.sysconf("SC_CLK_TCK")
+    clock = [100.0]
+    own = [0.0]
+    monkeypatch.setattr(blas_threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(blas_threads.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
+    governor = blas_threads.BlasThreads(lib, stat_path=str(stat))  # type: ignore[arg-type]
+    busy = 0.0
+
+    def look(seconds: float, others_cores: float, own_cores: float) -> int:
+        nonlocal busy
+        clock[0] += seconds
+        own[0] += own_cores * seconds
+        busy += (others_cores + own_cores) * seconds
+        _write_stat(stat, round(busy * tick), 0)
+        return governor.fit()
+
+    assert look(0, 0, 0) == 4  # the first look only takes a sample
+    assert look(1.0, others_cores=0.1, own_cores=3.9) == 4  # quiet: every core
+    assert look(1.0, others_cores=2.0, own_cores=2.0) == 2  # two busy processes: two threads left
+    assert look(1.0, others_cores=3.8, own_cores=0.2) == 1  # every core taken: one, never zero
+    assert look(0.1, others_cores=0.0, own_cores=1.0) == 1  # too soon to look again
+    assert look(1.0, others_cores=0.0, own_cores=1.0) == 4  # quiet again
+    assert lib.calls == [2, 1, 4]  # set only when it changes
+
+
+def test_the_shipped_governor_follows_real_busy_processes() -> None:
+    if blas.openblas_path() is None or not Path("/proc/stat").exists():
+        pytest.fail(f"no system OpenBLAS on Linux here ({blas.active_blas()}): CI installs libopenblas0-pthread")
+    governor = blas_threads.governor()
+    assert governor is not None
+    cores = governor.cores
+    if cores == 1:
+        pytest.fail("OpenBLAS runs one thread before any load: nothing to fit on a one-core machine")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        wait_until(lambda: blas_threads.fit_to_load() == 1, timeout=20, what="one OpenBLAS thread under load")
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait(timeout=10)
+    wait_until(lambda: blas_threads.fit_to_load() == cores, timeout=20, what="every thread back once quiet")
