@@ -484,7 +484,8 @@ def test_a_prefix_hit_is_restored_in_pieces_with_checkpoints(tiny_model):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_notebook.control import CancelToken, Pace
-    from mlx_notebook.generation.prefix_cache import KV_STEP, PromptCache, restore
+    from mlx_notebook.generation.chunks import KV_STEP
+    from mlx_notebook.generation.prefix_cache import PromptCache, restore
     from mlx_notebook.loading.store import ModelStore
 
     loaded = ModelStore().get(tiny_model)

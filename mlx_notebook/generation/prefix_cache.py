@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..control import Pace
 from .batch_cache import Cache, length
+from .chunks import KV_STEP
 from .kv_settings import KVSettings
 
 PLAIN = KVSettings()
@@ -192,10 +193,6 @@ def _positions(a: Any, start: int, stop: int) -> Any:
     return a[..., start:stop, :]
 
 
-# KVCache grows its buffers in steps of this many tokens (mlx-lm's ``KVCache.step``).
-KV_STEP = 256
-
-
 def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
     """Copy a hit's view (:meth:`PromptCache.fetch`) into buffers of its own, in place, piece by piece.
 
@@ -251,4 +248,4 @@ def trimmed(cache: Cache, n: int) -> Cache:
     return _view(cache, n)
 
 
-__all__ = ["DEFAULT_PROMPT_CACHE_GB", "KV_STEP", "PromptCache", "restore", "storable", "trimmed"]
+__all__ = ["DEFAULT_PROMPT_CACHE_GB", "PromptCache", "restore", "storable", "trimmed"]

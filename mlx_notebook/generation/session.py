@@ -37,13 +37,14 @@ from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache, quantized_attention
 from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
+from .chunks import KV_STEP
 from .constraint_matcher import start_grammar_process
 from .decode_batch import DecodeBatch, Row
 from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .persist import load_seed
 from .prefill import prefill
-from .prefix_cache import KV_STEP, PromptCache, common_prefix, restore, storable, trimmed
+from .prefix_cache import PromptCache, common_prefix, restore, storable, trimmed
 from .prompt import prepare_prompt
 from .states import State
 from .stats import FinishReason
