@@ -82,3 +82,13 @@ def test_the_shipped_governor_follows_real_busy_processes() -> None:
             p.kill()
             p.wait(timeout=10)
     wait_until(lambda: blas_threads.fit_to_load() == cores, timeout=20, what="every thread back once quiet")
+
+
+@pytest.mark.unit
+def test_an_unreadable_proc_stat_stops_the_fitting_not_the_generation(tmp_path: Path, monkeypatch) -> None:
+    lib = _Library(cores=2)
+    broken = blas_threads.BlasThreads(lib, stat_path=str(tmp_path / "missing"))  # type: ignore[arg-type]
+    monkeypatch.setattr(blas_threads, "_governor", broken)
+    monkeypatch.setattr(blas_threads, "_tried", True)
+    assert blas_threads.fit_to_load() is None
+    assert blas_threads.governor() is None and lib.calls == []

@@ -22,12 +22,15 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 
 from . import blas
+
+log = logging.getLogger(__name__)
 
 # How often the load is looked at: long enough for /proc/stat's 10 ms ticks to
 # add up, short enough to follow load that comes and goes within a prefill.
@@ -101,8 +104,16 @@ def governor() -> BlasThreads | None:
 
 def fit_to_load() -> int | None:
     """Fit OpenBLAS's threads to the load now (rate-limited); ``None`` where there is nothing to fit."""
+    global _governor
     current = governor()
-    return current.fit() if current is not None else None
+    if current is None:
+        return None
+    try:
+        return current.fit()
+    except (OSError, ValueError, IndexError):  # /proc/stat unreadable or not as expected: stop looking
+        log.debug("OpenBLAS threads are no longer fitted to the load", exc_info=True)
+        _governor = None
+        return None
 
 
 __all__ = ["INTERVAL_S", "BlasThreads", "fit_to_load", "governor"]
