@@ -164,12 +164,15 @@ def mlx_lm(worker, name: str, ids: list[int], bits: int | None, args) -> dict[st
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlx_notebook.generation import attention_patch
+
     def job(store):
         loaded = store.get(name)
         cache = make_prompt_cache(loaded.model)
         mx.reset_peak_memory()
         times, tokens, last = [], [], None
-        with contiguous_quantized_kv(args.contiguous_kv):
+        # mlx-lm's own attention, not our routes (they are module-wide).
+        with contiguous_quantized_kv(args.contiguous_kv), attention_patch.unpatched(loaded.model):
             for last in stream_generate(
                 loaded.model,
                 loaded.tokenizer,
@@ -446,9 +449,9 @@ def contiguous_quantized_kv(on: bool = True) -> Iterator[None]:
     step, in mlx-lm's ``stream_generate`` as in ours (the attention probe and
     ``mlx_lm_check`` in the result show it). With this patch (``--contiguous-kv``)
     both run, at the cost of one copy of the quantized cache per layer per call,
-    the same for both. It is the benchmark's, not the product's. Since ours
-    attends over dequantized layers on CUDA (``dequantized_attention``), only
-    mlx-lm's runs are patched.
+    the same for both. It is the benchmark's, not the product's. Ours reads
+    the slices in place on CUDA (``quantized_attention``), so only mlx-lm's
+    runs are patched.
     """
     from mlx_lm.models.cache import QuantizedKVCache
 
@@ -636,6 +639,12 @@ def main() -> None:
         "for a prefill at bf16 speed where its quantized prefill crawls (71 tok/s on CUDA)",
     )
     ap.add_argument(
+        "--dequantize-decode",
+        action="store_true",
+        help="ours: decode steps attend over each layer dequantized (session 13's route), "
+        "not through the fused quantized-decode kernel",
+    )
+    ap.add_argument(
         "--skip-throughput", action="store_true", help="only the stops (--prefill-window sets their window)"
     )
     ap.add_argument(
@@ -673,6 +682,11 @@ def main() -> None:
         "shapes": {},
     }
     result["contiguous_kv_workaround"] = args.contiguous_kv
+    result["fused_quantized_decode"] = not args.dequantize_decode
+    if args.dequantize_decode:
+        from mlx_notebook.generation import quantized_attention
+
+        quantized_attention.fused_decode = False
     result["mlx_lm_quantized_kv_start"] = args.mlx_lm_quantized_start
     if args.probe:
         lengths = [int(x) for x in args.probe.split(",")]

@@ -14,11 +14,13 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 NAME = "scaled_dot_product_attention"
 _TAGS = "_mlx_notebook_attention_tags"
+_WRAPS = "_mlx_notebook_attention_wraps"
 
 Attention = Callable[..., Any]
 
@@ -42,6 +44,7 @@ def wrap(model: Any, tag: str, make: Callable[[Attention], Attention]) -> bool:
     if tag not in tags:
         wrapped = make(current)
         setattr(wrapped, _TAGS, tags | {tag})
+        setattr(wrapped, _WRAPS, current)
         setattr(module, NAME, wrapped)
     return True
 
@@ -51,4 +54,24 @@ def unwrap(model: Any, original: Attention) -> None:
     setattr(module_of(model), NAME, original)
 
 
-__all__ = ["module_of", "unwrap", "wrap"]
+@contextmanager
+def unpatched(model: Any) -> Iterator[None]:
+    """While inside, ``model``'s module calls the function mlx-lm defined, under every wrapper.
+
+    The wrappers are module-wide: a benchmark that runs mlx-lm's own
+    ``stream_generate`` on the same model would otherwise measure our routes
+    (the quantized one takes any cache with ``bits``, mlx-lm's included).
+    """
+    module = module_of(model)
+    current = getattr(module, NAME, None)
+    bare = current
+    while bare is not None and hasattr(bare, _WRAPS):
+        bare = getattr(bare, _WRAPS)
+    setattr(module, NAME, bare)
+    try:
+        yield
+    finally:
+        setattr(module, NAME, current)
+
+
+__all__ = ["module_of", "unpatched", "unwrap", "wrap"]

@@ -33,8 +33,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import quantized_decode_kernel
 from .attention_patch import Attention, wrap
 from .chunks import builds_kernels_per_shape
+
+# A decode step (one query position) reads the packed cache in one fused
+# kernel (quantized_decode_kernel); off only for benchmarks' A/B runs.
+fused_decode = True
 
 
 def wanted() -> bool:
@@ -60,6 +65,16 @@ def _dequantizing(original: Attention) -> Attention:
         bits = getattr(cache, "bits", None)
         if bits is None:  # not a quantized cache
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        group = cache.group_size
+        # One query position needs no mask ("causal" over one row is none).
+        unmasked = mask is None or isinstance(mask, str)
+        if (
+            fused_decode
+            and unmasked
+            and sinks is None
+            and quantized_decode_kernel.supports(queries, keys, values, bits, group)
+        ):
+            return quantized_decode_kernel.attend(queries, keys, values, scale, group, bits)
         k = _dequantized(keys, cache.group_size, bits, queries.dtype)
         v = _dequantized(values, cache.group_size, bits, queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
