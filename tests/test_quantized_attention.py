@@ -89,10 +89,14 @@ def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, m
 
 
 @pytest.mark.unit
-def test_both_routes_stack_in_either_order(model, restored, monkeypatch) -> None:
-    assert row_attention.install(model) and quantized_attention.install(model)
+@pytest.mark.parametrize("order", ["row first", "quantized first"])
+def test_both_routes_stack_in_either_order(model, restored, monkeypatch, order) -> None:
+    installs = [row_attention.install, quantized_attention.install]
+    if order == "quantized first":
+        installs.reverse()
+    assert all(install(model) for install in installs)
     first = _current(model)
-    assert row_attention.install(model) and quantized_attention.install(model)
+    assert all(install(model) for install in installs + installs[::-1])
     assert _current(model) is first  # neither wrapped again
     _refuse_quantized_matmuls(monkeypatch)
     settings = KVSettings(bits=8, quantized_start=0)
@@ -125,3 +129,79 @@ def test_generations_with_the_route_forced(worker, folder, model, restored, monk
         assert gen.tokens == reference.tokens
     finally:
         worker.prompt_cache_gb = mlx_notebook.generation.prefix_cache.DEFAULT_PROMPT_CACHE_GB
+
+
+@pytest.mark.unit
+def test_decode_steps_take_the_fused_kernel_and_prefill_chunks_do_not(model, restored, monkeypatch) -> None:
+    """Where the kernel runs (CUDA), every one-position call reaches it with the cache's own packed slices.
+
+    The kernel itself is checked on the device (errors against fp32 attention,
+    ``benchmarks/results/h200_quantized_decode_kernel_session14.json``); here it
+    is replaced by the dequantized route, so the logits must stay mlx-lm's.
+    """
+    from mlx_notebook.generation import quantized_decode_kernel
+
+    settings = KVSettings(bits=8, group_size=64, quantized_start=0)
+    chunks = [list(range(10, 40)), list(range(40, 77)), [5], [6], list(range(100, 300)), [7]]
+    reference = _forward(model, settings, chunks)
+    calls: list[tuple[int, int, float, int, int]] = []
+
+    def kernel(queries, keys, values, scale, group, bits):
+        calls.append((queries.shape[2], keys[0].shape[2], scale, group, bits))
+        k = mx.dequantize(*keys, group_size=group, bits=bits, dtype=queries.dtype)
+        v = mx.dequantize(*values, group_size=group, bits=bits, dtype=queries.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=None)
+
+    monkeypatch.setattr(quantized_decode_kernel, "available", lambda: True)
+    monkeypatch.setattr(quantized_decode_kernel, "attend", kernel)
+    assert quantized_attention.install(model)
+    _refuse_quantized_matmuls(monkeypatch)
+    routed = _forward(model, settings, chunks)
+    for ref, got in zip(reference, routed, strict=True):
+        assert mx.allclose(ref, got, atol=2e-2).item(), float(mx.abs(ref - got).max())
+    layers = len(model.layers)
+    # The first chunk fills a plain cache (quantized after it); the single steps at 68, 69 and 270 positions.
+    assert sorted({(q, n) for q, n, *_ in calls}) == [(1, 68), (1, 69), (1, 270)]
+    assert len(calls) == 3 * layers
+    assert {(group, bits) for *_, group, bits in calls} == {(64, 8)}
+    assert all(scale == pytest.approx(64**-0.5) for _, _, scale, _, _ in calls)
+
+
+@pytest.mark.unit
+def test_what_the_kernel_takes() -> None:
+    from mlx_notebook.generation.quantized_decode_kernel import lanes_per_row, slices_for, supports
+
+    def packed(heads: int, n: int, dim: int, bits: int, group: int):
+        return (
+            mx.zeros((1, heads, n, dim * bits // 32), dtype=mx.uint32),
+            mx.zeros((1, heads, n, dim // group)),
+            mx.zeros((1, heads, n, dim // group)),
+        )
+
+    q = mx.zeros((1, 32, 1, 128))
+    kv = packed(8, 300, 128, 8, 64)
+    assert supports(q, kv, kv, 8, 64)
+    assert supports(q, packed(8, 300, 128, 4, 32), packed(8, 300, 128, 4, 32), 4, 32)
+    assert not supports(mx.zeros((1, 32, 3, 128)), kv, kv, 8, 64)  # a prefill chunk
+    assert not supports(q, packed(8, 300, 128, 2, 64), packed(8, 300, 128, 2, 64), 2, 64)  # no 2-bit unpacking
+    assert not supports(mx.zeros((1, 32, 1, 80)), packed(8, 300, 80, 8, 16), packed(8, 300, 80, 8, 16), 8, 16)
+    assert not supports(mx.zeros((1, 12, 1, 128)), kv, kv, 8, 64)  # 12 heads over 8 KV heads
+    assert lanes_per_row(128, 64) == 16 and lanes_per_row(128, 16) == 16 and lanes_per_row(64, 32) == 16
+    assert lanes_per_row(256, 16) == 16 and lanes_per_row(128, 8) == 16 and lanes_per_row(256, 8) == 32
+    # ~512 blocks over the cache, slices of >= 128 positions, at least one.
+    assert slices_for(32768, 8) == 64 and slices_for(1000, 8) == 8 and slices_for(5, 8) == 1
+
+
+@pytest.mark.unit
+def test_unpatched_gives_mlx_lms_own_function_back_for_a_while(model, restored) -> None:
+    """Benchmarks run mlx-lm's stream_generate on the same model: the module-wide routes must step aside."""
+    import mlx_lm.models.base as base
+
+    bare = _current(model)
+    assert row_attention.install(model) and quantized_attention.install(model)
+    routed = _current(model)
+    assert routed is not bare
+    with attention_patch.unpatched(model):
+        assert _current(model) is bare
+        assert _current(model) is base.scaled_dot_product_attention
+    assert _current(model) is routed

@@ -38,6 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .chunks import builds_kernels_per_shape
+
 WARPS = 4  # warps per block in the first kernel
 POSITIONS = 2  # positions a warp loads at once (memory-level parallelism)
 LANES = 32
@@ -303,6 +305,11 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+def available() -> bool:
+    """Whether this device runs the kernel: MLX's CUDA backend."""
+    return builds_kernels_per_shape()
+
+
 def supports(queries: mx.array, keys: Any, values: Any, bits: int, group: int) -> bool:
     """Whether one decode step's attention fits the kernel (else the caller dequantizes)."""
     if queries.ndim != 4 or queries.shape[2] != 1:
@@ -382,4 +389,4 @@ def combined(queries: mx.array, po: mx.array, pm: mx.array, pl: mx.array) -> mx.
     return out
 
 
-__all__ = ["attend", "slices_for", "supports"]
+__all__ = ["attend", "available", "combined", "partial_attention", "slices_for", "supports"]
