@@ -154,6 +154,7 @@ def ours(worker, name: str, ids: list[int], bits: int | None, args) -> dict[str,
         "kv": s.kv,
         "prefill_chunks": s.prefill_chunks,
         "decode_in_flight": s.decode_in_flight,
+        "decode_pieces": s.decode_pieces,
         "peak_memory_gb": peak / 1e9,
         "tokens": list(gen.tokens),
     }
@@ -265,6 +266,7 @@ def throughput(worker, name, ids, config, dtype_bytes, args, settings) -> dict[s
             "mlx_lm_peak_memory_gb": med(m, "peak_memory_gb"),
             "ours_prefill_chunks": med(o, "prefill_chunks"),
             "ours_decode_in_flight": o[-1]["decode_in_flight"],
+            "ours_decode_pieces": o[-1]["decode_pieces"],
             "generated": [o[-1]["generated"], m[-1]["generated"]],
             "ours_decode_tps_all": [x["decode_tps"] for x in o],
             "mlx_lm_decode_tps_all": [x["decode_tps"] for x in m],
@@ -316,6 +318,7 @@ def stop_round(worker, name, ids, bits, phase, window_s, rng, sampler, args) -> 
         "final": str(gen.state),
         "cached_tokens": gen.stats.cached_tokens,
         "generated": gen.stats.generated_tokens,
+        "decode_pieces": gen.stats.decode_pieces,
         "gil_ms": sampler.longest_ms(started, time.perf_counter()),
     }
 

@@ -33,6 +33,15 @@ for it is dropped and its cache is cut out at the step's end. When the last
 row leaves, the stream is synchronized before it is reported, so nothing is
 left in flight.
 
+A step longer than a stop may wait (a long context, a quantized cache, a big
+model on a small device: more than ``DECODE_PIPELINE_SHARE`` of the budget)
+is queued and evaluated in groups of layers, one group queued behind the one
+waited on (:class:`.pieces.MarkedLayers`, sized so that two groups fit that
+share). When every row is stopped between two groups the rest of the step is
+never queued: its tokens are never read, and the positions it wrote stay lazy
+in the cache (computed if that cache is used again, e.g. from the prefix cache).
+A pause still waits for the step, which resume must not compute twice.
+
 This module never imports IPython or ipywidgets.
 """
 
@@ -41,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..control import Pace
 from ..errors import InvalidArgumentError
@@ -58,6 +69,7 @@ from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
+from .pieces import MarkedLayers, layer_owner
 from .request import GenerationRequest
 from .sampling import Sampler, make_sampler
 from .states import State
@@ -144,14 +156,20 @@ class _Step:
     tokens: mx.array
     # Per row: (the sampled token's log-probability, the top ids, their log-probabilities), or None.
     logprobs: list[tuple[mx.array, mx.array, mx.array] | None]
+    # The hidden state after each group of layers but the last (lazy), when the step goes in pieces.
+    groups: list[mx.array] = field(default_factory=list)
 
     def arrays(self) -> list[mx.array]:
         return [self.tokens] + [a for entry in self.logprobs if entry is not None for a in entry]
 
+    def first_piece(self) -> list[mx.array]:
+        """What to queue first: its first group of layers, or the whole step."""
+        return self.groups[:1] or self.arrays()
+
     def rows(self, keep: list[int]) -> _Step:
         if len(keep) == len(self.logprobs):
             return self
-        return _Step(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep])
+        return _Step(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep], self.groups)
 
 
 class DecodeBatch:
@@ -201,6 +219,9 @@ class DecodeBatch:
         # When the last step's tokens were read (time.perf_counter).
         self.last_step_at = 0.0
         self._row_attention = row_attention.wanted() and row_attention.install(self.model)
+        # The module whose layers a step goes through, for steps in groups of layers (found at the first).
+        self._owner: nn.Module | None = None
+        self._owner_found = False
 
     # -- membership -----------------------------------------------------------
 
@@ -350,12 +371,17 @@ class DecodeBatch:
                 # (as mlx-lm does); it is queued before ``y`` is read only while
                 # two steps fit the budget (see the module's docstring).
                 nxt = self._forward(y.tokens)
-                if self.in_flight == 2 and not any(r.pace.requested for r in self.rows):
+                if self.in_flight == 2 and not nxt.groups and not any(r.pace.requested for r in self.rows):
                     with self._released():
                         mx.async_eval(nxt.arrays())
                     queued = True
         with self._released():
-            mx.eval(y.tokens)  # releases the GIL too: a stop asked now is reported on its own thread
+            # Releases the GIL too: a stop asked now is reported on its own thread.
+            whole = self._evaluate(y)
+        if not whole:
+            # Every row was stopped between two groups of the step's layers: its tokens are never read.
+            self._change_rows([r.next_token for r in self.rows], None)
+            return
         tokens = cast(list[int], y.tokens.tolist())
         now = time.perf_counter()
         if self._last_read and self.steps:
@@ -375,7 +401,7 @@ class DecodeBatch:
                 # A row goes on: queue the next step now, before the
                 # reporting, so the device idles only while it is encoded.
                 with self._released():
-                    mx.async_eval(nxt.arrays() if nxt is not None else ahead)
+                    mx.async_eval(nxt.first_piece() if nxt is not None else ahead)
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
             if not row.detached:  # a detached row's token of this step is dropped
                 self._report(row, tok, more, now, y.logprobs[i])
@@ -492,6 +518,8 @@ class DecodeBatch:
                 # The batch empties: nothing may stay in flight when the last
                 # row is reported (a stop-all, an interrupt, a pause of all).
                 mx.synchronize(self.stream)
+                self._last_read = 0.0  # the next rows' first step is not measured from these
+
             for i in leaving:
                 self._take_out(
                     self.rows[i],
@@ -527,7 +555,21 @@ class DecodeBatch:
         """Make ``step`` the one in flight and queue it on the device (the lock let go meanwhile)."""
         self._y = step
         with self._released():
-            mx.async_eval(step.arrays())
+            mx.async_eval(step.first_piece())
+
+    def _evaluate(self, step: _Step) -> bool:
+        """Wait for ``step``'s tokens, group by group when it has groups; ``False``: every row stopped between two.
+
+        The group after the one waited on is queued first, so the device
+        does not idle while the host waits and checks.
+        """
+        for i, group in enumerate(step.groups):
+            mx.async_eval(step.groups[i + 1] if i + 1 < len(step.groups) else step.arrays())
+            mx.eval(group)
+            if self.rows and all(r.pace.token.cancelled for r in self.rows):
+                return False
+        mx.eval(step.tokens)
+        return True
 
     def _take_out(self, row: Row, index: int, tok: int, *, built_ahead: bool, sampled: bool) -> None:
         """Row ``index`` leaves: parked (pause) or ended (done, stop).
@@ -658,12 +700,47 @@ class DecodeBatch:
         return self._sample(self._processed(first, None))
 
     def _forward(self, inputs: list[int] | mx.array) -> _Step:
-        """Build one decode step for every row (lazy).
+        """Build one decode step for every row (lazy), in groups of layers when a stop cannot wait for a whole one.
 
         ``inputs`` is a list of read tokens, or the previous step's tokens
         before they are read (a step built while the device computes that one).
         """
-        return self._sample(self._logits(inputs))
+        per = self._layers_per_group()
+        if not per:
+            for row in self.rows:
+                row.sink.stats.decode_pieces = 1
+            return self._sample(self._logits(inputs))
+        assert self._owner is not None
+        with MarkedLayers(self._owner, per) as marked:
+            logits = self._logits(inputs)
+        step = self._sample(logits)
+        step.groups = marked.marks
+        for row in self.rows:
+            row.sink.stats.decode_pieces = len(step.groups) + 1
+        return step
+
+    def _layers_per_group(self) -> int:
+        """Layers per piece of a step: 0 (whole steps) while a stop can wait for one.
+
+        A stop waits for the piece being evaluated and the one queued behind
+        it: two pieces must fit the share of the tightest budget that two
+        whole steps must fit to be kept in flight.
+        """
+        # Before this batch measured a step: the model's last one alone (a row of a long context that
+        # follows another starts in pieces; a wrong guess lasts until the second step is read).
+        step = self.step_s if self.step_s is not None else self.loaded.step_s
+        if step is None or self.in_flight != 1 or not self.loaded.layer_pieces or not self.rows:
+            return 0
+        limit = DECODE_PIPELINE_SHARE * min(r.pace.budget_s for r in self.rows)
+        if step <= limit:
+            return 0
+        if not self._owner_found:
+            self._owner, self._owner_found = layer_owner(self.model, len(self._cache)), True
+        if self._owner is None:
+            return 0
+        layers = len(self._owner.layers)
+        pieces = min(layers, math.ceil(2 * step / limit))
+        return math.ceil(layers / pieces)
 
     def _logits(self, inputs: list[int] | mx.array) -> mx.array:
         """A step's forward for every row, to its processed logits (lazy); see :meth:`_forward`."""

@@ -198,7 +198,37 @@ class LayerRunner:
         return out
 
 
-def _layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
+class MarkedLayers:
+    """While inside, ``owner``'s forward pass records its hidden state after every ``per`` layers (lazy).
+
+    A decode step longer than a stop may wait is evaluated in these pieces
+    (:class:`.decode_batch.DecodeBatch`): nothing is evaluated here, the
+    marks are only the graph's intermediate arrays to evaluate in turn.
+    """
+
+    def __init__(self, owner: nn.Module, per: int) -> None:
+        self.owner = owner
+        self.per = per
+        self.marks: list[mx.array] = []
+        self._original: list[nn.Module] = []
+
+    def _hook(self, index: int, hidden: Any) -> None:
+        if (index + 1) % self.per == 0 and index + 1 < len(self._original) and isinstance(hidden, mx.array):
+            self.marks.append(hidden)
+
+    def __enter__(self) -> MarkedLayers:
+        self._original = self.owner.layers
+        self.owner.layers = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(self._original)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The wrappers refer back to this object: restore (and drop them) even when the forward raises.
+        self.owner.layers = self._original
+        self._original = []
+
+
+def layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
+    """The module whose ``layers`` list ``model``'s forward pass iterates, one layer per cache entry."""
     for path in ("model", "language_model.model", "backbone", "transformer"):
         owner: Any = model
         for part in path.split("."):
@@ -213,10 +243,10 @@ def _layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
 def prefill_runner(loaded: LoadedModel, cache: list[Any], pace: Pace) -> ChunkRunner | LayerRunner:
     """The best runner for this model: layer groups when the layout allows."""
     if loaded.layer_pieces:
-        owner = _layer_owner(loaded.model, len(cache))
+        owner = layer_owner(loaded.model, len(cache))
         if owner is not None:
             return LayerRunner(owner, loaded.model, cache, pace)
     return ChunkRunner(loaded.model, cache)
 
 
-__all__ = ["ChunkRunner", "LayerRunner", "prefill_runner"]
+__all__ = ["ChunkRunner", "LayerRunner", "MarkedLayers", "layer_owner", "prefill_runner"]

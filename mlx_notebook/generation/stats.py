@@ -49,7 +49,9 @@ class GenerationStats:
           step is submitted before the current token is read, as mlx-lm does)
           or 1, when two steps would not fit the stop budget.
         budget_below_step: One decode step alone takes longer than the stop
-          budget: a stop waits for that step, over the budget.
+          budget: its steps then go in groups of layers.
+        decode_pieces: Groups of layers the last decode step was evaluated in
+          (1: whole steps); a stop waits for at most two of them.
         batch_size: Most generations decoded together with it (itself included).
         ranks: Processes the model was sharded over (1: this process alone).
         backend: The MLX distributed backend of those ranks (``ring``, ``nccl``...);
@@ -77,6 +79,7 @@ class GenerationStats:
     decode_step_s: float | None = None
     decode_in_flight: int = 2
     budget_below_step: bool = False
+    decode_pieces: int = 1
     batch_size: int = 1
     ranks: int = 1
     backend: str = ""

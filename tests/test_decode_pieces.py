@@ -1,0 +1,96 @@
+"""Decode steps longer than the stop budget go in groups of layers: the same tokens, stops between groups.
+
+A real generation on a small random llama (8 layers) with a stop budget far
+below one step, so that every step is cut into one-layer groups: its tokens
+equal whole steps' tokens, a pause and resume stay exact, and a stop that
+lands between two groups ends the generation without the rest of the step,
+leaving a cache that a later prompt reuses with the right numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import mlx_notebook
+from mlx_notebook.generation import prefix_cache
+from mlx_notebook.generation.decode_batch import DecodeBatch
+from testkit.tiny_model import make_tiny_model
+from testkit.waiting import assert_stays_paused, other_generation, wait_state, wait_tokens
+
+PROMPT = "A long walk along the river, counting the bridges and the boats under them " * 3
+TINY_BUDGET = 0.0005  # far below one step of this model on any machine: one layer per group
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("pieces") / "model", layers=8, hidden=128, intermediate=256))
+
+
+def _run(worker, folder: str, prompt, budget: float, max_tokens: int = 40) -> mlx_notebook.Generation:
+    gen = mlx_notebook.generate(prompt, model=folder, worker=worker, max_tokens=max_tokens, stop_budget=budget)
+    gen.result(timeout=120)
+    assert gen.state == "done", gen.error
+    return gen
+
+
+def test_steps_in_groups_give_whole_steps_tokens_and_pause_exactly(worker, folder: str) -> None:
+    worker.prompt_cache_gb = 0  # every run prefills its own prompt
+    try:
+        whole = _run(worker, folder, PROMPT, 0.1)
+        assert whole.stats.decode_pieces == 1
+        grouped = _run(worker, folder, PROMPT, TINY_BUDGET)
+        assert grouped.stats.budget_below_step
+        assert grouped.stats.decode_pieces == 8  # one layer each
+        assert grouped.tokens == whole.tokens
+
+        gen = mlx_notebook.generate(PROMPT, model=folder, worker=worker, max_tokens=40, stop_budget=TINY_BUDGET)
+        wait_tokens(gen, 12)
+        gen.pause()
+        assert_stays_paused(gen, lambda: other_generation(worker, folder))
+        gen.resume()
+        gen.result(timeout=120)
+        assert gen.tokens == whole.tokens
+    finally:
+        worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
+
+
+def test_a_stop_between_groups_ends_without_the_rest_of_the_step(worker, folder: str, monkeypatch) -> None:
+    results: list[bool] = []
+    evaluate = DecodeBatch._evaluate
+
+    def spy(self, step):
+        whole = evaluate(self, step)
+        results.append(whole)
+        return whole
+
+    monkeypatch.setattr(DecodeBatch, "_evaluate", spy)
+    reference = _run(worker, folder, PROMPT, TINY_BUDGET, max_tokens=300)
+    assert all(results)
+    stopped = None
+    for _ in range(20):  # a stop lands between groups nearly always (8 groups a step); retry if at a step's end
+        results.clear()
+        gen = mlx_notebook.generate(PROMPT, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
+        wait_tokens(gen, 6)
+        gen.stop()
+        wait_state(gen, "stopped")
+        if False in results:
+            stopped = gen
+            break
+    assert stopped is not None, "no stop landed between two groups of a step in 20 tries"
+    assert results[-1] is False and results.count(False) == 1
+    assert stopped.tokens == reference.tokens[: len(stopped.tokens)]
+    assert not stopped.error
+
+    # The abandoned step wrote the last read token's keys and values in part (the rest lazy, in the cache the
+    # prefix cache keeps): a prompt that extends the stopped text is served from that cache, with the numbers
+    # a fresh prefill gives.
+    follow = stopped.prompt_tokens + stopped.tokens + [11, 12, 13]
+    reused = _run(worker, folder, follow, 0.1, max_tokens=16)
+    assert reused.stats.cached_tokens >= len(stopped.prompt_tokens) + len(stopped.tokens) - 1
+    fresh_worker = mlx_notebook.Worker()
+    try:
+        fresh_worker.prompt_cache_gb = 0
+        fresh = _run(fresh_worker, folder, follow, 0.1, max_tokens=16)
+    finally:
+        assert fresh_worker.shutdown(timeout=60)
+    assert reused.tokens == fresh.tokens
