@@ -239,7 +239,9 @@ def test_a_lone_cached_tokens_forward_runs_in_layer_groups_and_stops_between_the
     cache = cached()
     pace = Pace(CancelToken(), 0.1, between=lambda: checkpoints.append(cache[0].offset))
     logits = prefill(loaded, cache, prompt, pace=pace, sink=Sink(), start=len(prompt) - 1, last=True)
-    assert logits is not None and mx.allclose(logits, expected, atol=1e-5).item()
+    # 1e-4: OpenBLAS's thread count follows the machine's load (loading.blas_threads), and one and two threads
+    # give matmuls ~4e-5 apart at this prompt's 200 rows (a failure in a full run); a wrong layer is off by >0.1.
+    assert logits is not None and mx.allclose(logits, expected, atol=1e-4).item()
     assert all(layer.offset == len(prompt) for layer in cache)
     assert len(checkpoints) >= layers  # before it, inside it (layers - 1) and after it
     # Without last=, or with tokens still to read, the first decode step feeds it (as before).
@@ -269,7 +271,7 @@ def test_a_lone_cached_tokens_forward_runs_in_layer_groups_and_stops_between_the
     again = prefill(
         loaded, cached(), prompt, pace=Pace(CancelToken(), 0.1), sink=Sink(), start=len(prompt) - 1, last=True
     )
-    assert again is not None and mx.allclose(again, expected, atol=1e-5).item()
+    assert again is not None and mx.allclose(again, expected, atol=1e-4).item()
 
 
 def test_prompt_cache_is_bounded_and_dropped_on_unload(worker, tiny_model):
