@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,7 +68,7 @@ from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
-from .pieces import MarkedLayers, layer_owner
+from .pieces import BuildStopped, MarkedLayers, layer_owner
 from .request import GenerationRequest
 from .sampling import Sampler, make_sampler
 from .states import State
@@ -369,8 +369,15 @@ class DecodeBatch:
                 # The next step's graph is built while the device computes ``y``
                 # (as mlx-lm does); it is queued before ``y`` is read only while
                 # two steps fit the budget (see the module's docstring).
-                nxt = self._forward(y.tokens)
-                if self.in_flight == 2 and not nxt.groups and not any(r.pace.requested for r in self.rows):
+                if len(y.groups) > 1:
+                    # Two pieces of ``y`` on the device while the host builds the next step, which takes
+                    # about as long as a piece or two (H200, 8B shape: ~9 ms of Python for 36 layers).
+                    with self._released():
+                        mx.async_eval(y.groups[1])
+                nxt = self._forward(y.tokens, stoppable=True)
+                if nxt is None:
+                    pass  # every row stopped while it was built: y is abandoned below
+                elif self.in_flight == 2 and not nxt.groups and not any(r.pace.requested for r in self.rows):
                     with self._released():
                         mx.async_eval(nxt.arrays())
                     queued = True
@@ -556,6 +563,9 @@ class DecodeBatch:
         with self._released():
             mx.async_eval(step.first_piece())
 
+    def _all_stopped(self) -> bool:
+        return bool(self.rows) and all(r.pace.token.cancelled for r in self.rows)
+
     def _evaluate(self, step: _Step) -> bool:
         """Wait for ``step``'s tokens, group by group when it has groups; ``False``: every row stopped between two.
 
@@ -565,7 +575,7 @@ class DecodeBatch:
         for i, group in enumerate(step.groups):
             mx.async_eval(step.groups[i + 1] if i + 1 < len(step.groups) else step.arrays())
             mx.eval(group)
-            if self.rows and all(r.pace.token.cancelled for r in self.rows):
+            if self._all_stopped():
                 return False
         mx.eval(step.tokens)
         return True
@@ -698,11 +708,19 @@ class DecodeBatch:
         self.rows[0].first_logits = None
         return self._sample(self._processed(first, None))
 
-    def _forward(self, inputs: list[int] | mx.array) -> _Step:
+    @overload
+    def _forward(self, inputs: list[int] | mx.array) -> _Step: ...
+
+    @overload
+    def _forward(self, inputs: list[int] | mx.array, stoppable: bool) -> _Step | None: ...
+
+    def _forward(self, inputs: list[int] | mx.array, stoppable: bool = False) -> _Step | None:
         """Build one decode step for every row (lazy), in groups of layers when a stop cannot wait for a whole one.
 
         ``inputs`` is a list of read tokens, or the previous step's tokens
         before they are read (a step built while the device computes that one).
+        ``stoppable``: a step in groups of a lone row stops being built when
+        the row is stopped (``None``; the layers built give their position back).
         """
         per = self._layers_per_group()
         if not per:
@@ -710,8 +728,15 @@ class DecodeBatch:
                 row.sink.stats.decode_pieces = 1
             return self._sample(self._logits(inputs))
         assert self._owner is not None
-        with MarkedLayers(self._owner, per) as marked:
-            logits = self._logits(inputs)
+        # A lone row's cache trims back (a batch's rows would have to agree first).
+        stopped = self._all_stopped if stoppable and len(self.rows) == 1 else None
+        try:
+            with MarkedLayers(self._owner, per, stopped) as marked:
+                logits = self._logits(inputs)
+        except BuildStopped:
+            for layer in self._cache[: marked.built]:
+                layer.trim(1)
+            return None
         step = self._sample(logits)
         step.groups = marked.marks
         for row in self.rows:

@@ -198,6 +198,10 @@ class LayerRunner:
         return out
 
 
+class BuildStopped(Exception):
+    """A step's graph was left half built: every generation in it was stopped (``args[0]``: layers built)."""
+
+
 class MarkedLayers:
     """While inside, ``owner``'s forward pass records its hidden state after every ``per`` layers (lazy).
 
@@ -206,15 +210,21 @@ class MarkedLayers:
     marks are only the graph's intermediate arrays to evaluate in turn.
     """
 
-    def __init__(self, owner: nn.Module, per: int) -> None:
+    def __init__(self, owner: nn.Module, per: int, stopped: Callable[[], bool] | None = None) -> None:
         self.owner = owner
         self.per = per
+        # Asked after each layer is built: True ends the build (BuildStopped), the layers left unbuilt.
+        self.stopped = stopped
         self.marks: list[mx.array] = []
+        self.built = 0  # layers whose part of the graph was built
         self._original: list[nn.Module] = []
 
     def _hook(self, index: int, hidden: Any) -> None:
+        self.built = index + 1
         if (index + 1) % self.per == 0 and index + 1 < len(self._original) and isinstance(hidden, mx.array):
             self.marks.append(hidden)
+        if self.stopped is not None and index + 1 < len(self._original) and self.stopped():
+            raise BuildStopped(self.built)
 
     def __enter__(self) -> MarkedLayers:
         self._original = self.owner.layers
@@ -249,4 +259,4 @@ def prefill_runner(loaded: LoadedModel, cache: list[Any], pace: Pace) -> ChunkRu
     return ChunkRunner(loaded.model, cache)
 
 
-__all__ = ["ChunkRunner", "LayerRunner", "MarkedLayers", "layer_owner", "prefill_runner"]
+__all__ = ["BuildStopped", "ChunkRunner", "LayerRunner", "MarkedLayers", "layer_owner", "prefill_runner"]
