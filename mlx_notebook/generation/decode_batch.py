@@ -34,12 +34,14 @@ row leaves, the stream is synchronized before it is reported, so nothing is
 left in flight.
 
 A step longer than the stop budget (a long context, a quantized cache, a big
-model on a small device) is queued and evaluated in groups of layers, one group queued behind the one
-waited on (:class:`.pieces.MarkedLayers`, sized so that two groups fit that
-share). When every row is stopped between two groups the rest of the step is
-never queued: its tokens are never read, and the positions it wrote stay lazy
-in the cache (computed if that cache is used again, e.g. from the prefix cache).
-A pause still waits for the step, which resume must not compute twice.
+model on a small device) is queued and evaluated in groups of layers, one
+group queued behind the one waited on (:class:`.pieces.MarkedLayers`; two
+groups fit ``DECODE_PIPELINE_SHARE`` of the budget). When every row is
+stopped between two groups the rest of the step is never queued: its tokens
+are never read, and the positions it wrote stay lazy in the cache (computed
+if that cache is used again, e.g. from the prefix cache). A lone row's next
+step, built meanwhile, stops being built at its stop. A pause still waits
+for the step, which resume must not compute twice.
 
 This module never imports IPython or ipywidgets.
 """
@@ -525,7 +527,6 @@ class DecodeBatch:
                 # row is reported (a stop-all, an interrupt, a pause of all).
                 mx.synchronize(self.stream)
                 self._last_read = 0.0  # the next rows' first step is not measured from these
-
             for i in leaving:
                 self._take_out(
                     self.rows[i],
