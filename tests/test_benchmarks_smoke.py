@@ -43,3 +43,18 @@ def test_structured_benchmark_runs_the_synthetic_path(tiny_model, tmp_path, monk
     stop = result["stop_one_constrained_row_ms"]
     assert stop["rounds"] == 2 and stop["max"] >= stop["p50"] > 0
     assert "stop one constrained row of 2" in capsys.readouterr().out
+
+
+def test_decode_pieces_benchmark_runs(tiny_model, tmp_path, monkeypatch):
+    from benchmarks import decode_pieces
+
+    out = tmp_path / "pieces.json"
+    argv = ["decode_pieces", "--model", tiny_model, "--budget", "0.0005", "--whole-budget", "0.3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--tokens", "6", "--repeats", "1", "--rounds", "2", "--window", "0.2"])
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--json", str(out)])
+    decode_pieces.main()
+    result = json.loads(out.read_text())
+    tight, whole = result["runs"]
+    assert tight["decode_pieces"] > 1 and whole["decode_pieces"] == 1
+    assert result["same_tokens_both_budgets"]
+    assert len(result["stops"]) == 2 and all(s["final"] in ("stopped", "done") for s in result["stops"])
