@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench import summary
 from benchmarks.kv_memory import code_commit
 
 PROMPT = "Write a long story about a lighthouse keeper who counts the ships passing in the night. " * 2
@@ -69,14 +70,6 @@ def stop_once(model: str, worker: Any, budget: float, delay: float) -> dict[str,
         "decode_pieces": getattr(gen.stats, "decode_pieces", 1),
         "final": str(gen.state),
     }
-
-
-def quantiles(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    if not xs:
-        return {}
-    q = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
-    return {"n": len(xs), "p50": statistics.median(xs), "p95": q[94], "p99": q[98], "max": xs[-1]}
 
 
 def main() -> None:
@@ -123,13 +116,8 @@ def main() -> None:
     first = by[args.budget][0]["tokens"] if by[args.budget] else []
     result["same_tokens_both_budgets"] = all(r["tokens"] == first for rs in by.values() for r in rs)
     decoding = [s for s in result["stops"] if s["state"] == "decoding"]
-    result["stop_external_ms"] = {
-        k: v * 1e3 if k != "n" else v for k, v in quantiles([s["external_s"] for s in decoding]).items()
-    }
-    result["stop_internal_ms"] = {
-        k: v * 1e3 if k != "n" else v
-        for k, v in quantiles([s["internal_s"] for s in decoding if s["internal_s"]]).items()
-    }
+    result["stop_external_ms"] = summary([s["external_s"] * 1e3 for s in decoding])
+    result["stop_internal_ms"] = summary([s["internal_s"] * 1e3 for s in decoding if s["internal_s"]])
     print(
         json.dumps(
             {
