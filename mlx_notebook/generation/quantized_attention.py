@@ -29,9 +29,9 @@ chunk's tokens share.
 The cache itself stays quantized, which is the memory ``kv_bits`` is for;
 in the dequantized route the full-precision copy of one layer's keys and
 values is an intermediate of the step's graph, freed once that layer has
-attended. Only on the CUDA
-backend: the CPU and Metal take mlx-lm's path, and the model's module keeps
-mlx-lm's function for every call whose cache is not quantized.
+attended. Only on the CUDA backend: the CPU and Metal take mlx-lm's path,
+and the model's module keeps mlx-lm's function for every call whose cache
+is not quantized.
 
 This module never imports IPython or ipywidgets.
 """
