@@ -507,6 +507,39 @@ def test_a_prefix_hit_is_restored_in_pieces_with_checkpoints(tiny_model):
         assert mx.array_equal(new.values[..., :n, :], old.values[..., :n, :]).item()
 
 
+def test_a_stored_cache_is_found_at_once_and_the_entries_it_serves_go_at_prune(tiny_model):
+    """The worker stores before it reports a generation ended and prunes after (freeing is slow)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_notebook.generation.prefix_cache import PromptCache
+    from mlx_notebook.loading.store import ModelStore
+
+    loaded = ModelStore().get(tiny_model)
+    prompt = list(range(20, 120))
+
+    def prefilled(tokens):
+        cache = make_prompt_cache(loaded.model)
+        mx.eval(loaded.model(mx.array(tokens)[None], cache=cache))
+        return cache
+
+    store = PromptCache(1 << 30)
+    short = prefilled(prompt[:60])
+    store.store(prompt[:60], short)
+    longer = prefilled(prompt)  # holds 100 positions; stored for its first 90 tokens only
+    store.store(prompt[:90], longer, prune=False)
+    assert len(store) == 2  # the older entry waits for prune()
+    view, n = store.fetch(prompt[:90] + [7])
+    assert n == 90 and all(layer.offset == 90 for layer in view)
+    assert mx.array_equal(view[0].keys[..., :90, :], longer[0].keys[..., :90, :]).item()
+    store.prune()
+    assert len(store) == 1
+    _, n = store.fetch(prompt[:60] + [7])
+    assert n == 60  # served by the newer entry
+    store.set_limit(store.nbytes - 1)
+    assert len(store) == 0
+
+
 def test_decode_steps_run_on_the_stream_the_worker_synchronizes(tiny_model, monkeypatch):
     """Regression: the batch's steps ran on the worker thread's default stream, not its own.
 

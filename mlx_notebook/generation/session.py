@@ -134,6 +134,7 @@ class Session:
             with contextlib.ExitStack() as stack:
                 self._start(first, stack)
                 while True:
+                    self._prune_prefixes()
                     self.jobs.run_inline_calls()
                     for batch in self._live_batches():
                         batch.poll_parked()
@@ -152,6 +153,7 @@ class Session:
             for batch in self.batches.values():
                 batch.close()
             self.batches = {}
+            self._prune_prefixes()
 
     def _fits(self, job: Reporter) -> bool:
         """Whether ``job`` may join now: every member's ``max_batch`` (its own too) leaves room."""
@@ -384,7 +386,13 @@ class Session:
             self._end(reporter, State.DONE, None)
 
     def _keep_prefix(self, tokens: list[int], cache: Cache, kv: KVSettings) -> None:
-        """Store what ``cache`` holds of ``tokens`` in the model's prompt cache (made with ``kv``)."""
+        """Store what ``cache`` holds of ``tokens`` in the model's prompt cache (made with ``kv``).
+
+        Before the generation is reported ended, so that whoever looks next
+        finds it; what it makes redundant is freed by the loop, after the
+        report and outside the batch's lock (:meth:`_prune_prefixes`): that
+        took 5-6 ms of a 32k-token stop on an H200.
+        """
         if self.loaded is None or not storable(cache):
             return
         offsets = {int(layer.offset) for layer in cache}
@@ -392,7 +400,11 @@ class Session:
             return  # stopped between groups of layers: the layers disagree
         n = min(offsets.pop(), len(tokens))
         if n > 0:
-            self._prompt_cache(self.loaded).store(tokens[:n], trimmed(cache, n), kv)
+            self._prompt_cache(self.loaded).store(tokens[:n], cache, kv, prune=False)
+
+    def _prune_prefixes(self) -> None:
+        if self.loaded is not None and self.loaded.prompt_cache is not None:
+            self.loaded.prompt_cache.prune()
 
     def _end(self, reporter: Reporter, state: State, error: BaseException | None) -> None:
         if reporter in self.running:
