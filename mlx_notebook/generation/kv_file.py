@@ -41,6 +41,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -452,9 +454,15 @@ def load(path: str | os.PathLike[str], pace: Pace) -> tuple[list[Any], dict[str,
         # stop: freeing up to GBs here (10-55 ms at 1 GB) would delay the report.
         arrays: dict[str, mx.array] = {}
         wanted = {name for layer in plan.layers if not layer.empty for name in layer.arrays}
-        for t in sorted(plan.tensors.values(), key=lambda t: t.start):
-            if t.name in wanted:
-                arrays[t.name] = _read_tensor(f, t, pieces, path)
+        tensors = [t for t in sorted(plan.tensors.values(), key=lambda t: t.start) if t.name in wanted]
+        # Each tensor's memory is allocated on a helper thread while the one before it is read.
+        buffers: list[Future[mx.array] | None] = [_BUFFERS.allocate(tensors[0])] if tensors else []
+        for i, t in enumerate(tensors):
+            if i + 1 < len(tensors):
+                buffers.append(_BUFFERS.allocate(tensors[i + 1]))
+            out = _BUFFERS.wait(buffers[i], pieces)
+            buffers[i] = None
+            arrays[t.name] = _read_tensor(f, t, out, pieces, path)
         cache = [_build(layer, [arrays.get(name) for name in layer.arrays]) for layer in plan.layers]
     return cache, dict(plan.metadata)
 
@@ -472,11 +480,59 @@ def _build(layer: _Layer, got: list[mx.array | None]) -> Any:
     return layer.cls.from_state((keys, values, *layer.scalars))
 
 
-def _read_tensor(f: BinaryIO, t: _Tensor, pieces: _Pieces, path: object) -> mx.array:
-    """One tensor read into a new evaluated array, piece by piece."""
-    _, dtype, storage = _DTYPES[t.dtype]
-    out = mx.zeros((t.nbytes // _DTYPES[t.dtype][0],), storage)
+class _Buffers:
+    """Tensors' memory, allocated and zeroed on a helper thread, so that a stop need not wait for it.
+
+    MLX has no uninitialized array: a tensor's buffer is an ``mx.zeros``
+    evaluated in one piece, whose first touch of fresh pages took 33-55 ms
+    for 64 MB on the 2-core CPU and stalled to 0.11-0.21 s in 2 of 20 rounds
+    (page faults under memory pressure), past a 0.1 s budget. The helper
+    fills the next tensor's buffer while the current one is read; the worker
+    waits for it with checkpoints. A stopped load leaves the helper to finish
+    a fill nobody reads: CPU work on the CPU stream (never the GPU's), freed
+    when it ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def allocate(self, t: _Tensor) -> Future[mx.array]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-notebook-kv-alloc")
+            return self._pool.submit(_zeros, t.nbytes // _DTYPES[t.dtype][0], _DTYPES[t.dtype][2])
+
+    def settled(self, timeout: float) -> None:
+        """Wait until the fills asked for so far have ended (a stopped load's memory is freed then)."""
+        with self._lock:
+            pool = self._pool
+        if pool is not None:
+            pool.submit(lambda: None).result(timeout)
+
+    @staticmethod
+    def wait(buffer: Future[mx.array] | None, pieces: _Pieces) -> mx.array:
+        assert buffer is not None
+        while True:
+            try:
+                return buffer.result(timeout=pieces.piece_s / 2)
+            except FuturesTimeout:
+                pieces.checkpoint()
+
+
+def _zeros(n: int, storage: mx.Dtype) -> mx.array:
+    """An evaluated zero array of ``n`` elements, on this (helper) thread's CPU stream."""
+    out = mx.zeros((n,), storage, stream=mx.cpu)
     mx.eval(out)
+    return out
+
+
+_BUFFERS = _Buffers()
+
+
+def _read_tensor(f: BinaryIO, t: _Tensor, out: mx.array, pieces: _Pieces, path: object) -> mx.array:
+    """One tensor read into ``out`` (evaluated, zeroed, its size), piece by piece."""
+    _, dtype, _storage = _DTYPES[t.dtype]
     view = memoryview(out).cast("B")  # type: ignore[arg-type]
     try:
         f.seek(t.start)
