@@ -25,7 +25,9 @@ from mlx_lm.models.cache import (
 
 import mlx_notebook  # noqa: F401  (OpenBLAS before mlx)
 from mlx_notebook.control import Cancelled, CancelToken, Pace, unpaced
+from mlx_notebook.generation.chunks import with_room
 from mlx_notebook.generation.kv_file import _BUFFERS, KVFileError, cache_nbytes, load, read_metadata, save
+from mlx_notebook.generation.prefix_cache import restore
 
 pytestmark = pytest.mark.unit
 
@@ -168,9 +170,10 @@ def tiny_llama():
     return model
 
 
+@pytest.mark.parametrize("room", [0, 300], ids=["no-room", "room"])
 @pytest.mark.parametrize("kind", ["kv", "q4", "q8", "rot", "rot-wrapped"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
-def test_model_continues_exactly_after_load(tmp_path: Path, kind: str, dtype: mx.Dtype) -> None:
+def test_model_continues_exactly_after_load(tmp_path: Path, kind: str, dtype: mx.Dtype, room: int) -> None:
     model = tiny_llama()
     model.set_dtype(dtype)
     n_layers = len(model.layers)
@@ -186,7 +189,19 @@ def test_model_continues_exactly_after_load(tmp_path: Path, kind: str, dtype: mx
         mx.eval(model(mx.array([[t + 3]]), cache=cache))
     path = tmp_path / f"{kind}.safetensors"
     save(path, cache, {"k": "v"}, unpaced())
-    loaded, _ = load(path, unpaced())
+    loaded, _ = load(path, unpaced(), room=room)
+    for got, want in zip(loaded, cache):
+        keys = got.keys[0] if isinstance(got.keys, tuple) else got.keys
+        if room and not kind.startswith("rot"):
+            # Read with room after the tokens (whole KV steps): the steps below write in place.
+            assert got.offset == want.offset and keys.shape[2] == with_room(want.offset, room)
+        else:
+            want_keys = want.state[0][0] if isinstance(want.state[0], tuple) else want.state[0]
+            assert keys.shape == want_keys.shape
+    if room and not kind.startswith("rot"):
+        held = [id(layer.keys) for layer in loaded]
+        restore(loaded, room, unpaced(), piece_s=0.0)  # what a resume does next: nothing to copy
+        assert [id(layer.keys) for layer in loaded] == held
     step = mx.array([[42]])
     for _ in range(3):
         after = model(step, cache=loaded)
@@ -194,6 +209,9 @@ def test_model_continues_exactly_after_load(tmp_path: Path, kind: str, dtype: mx
         mx.eval(after, before)
         assert _bits(after) == _bits(before)
         step = mx.argmax(before[:, -1:], axis=-1)
+    if room and not kind.startswith("rot"):
+        capacity = [(layer.keys[0] if isinstance(layer.keys, tuple) else layer.keys).shape[2] for layer in loaded]
+        assert capacity == [with_room(layer.offset - 3, room) for layer in loaded]  # no layer grew
 
 
 def test_save_refuses_what_it_cannot_hold(tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ FIRST_PREFILL_CHUNK = 8
 KV_STEP = 256  # mlx-lm's KVCache.step
 
 
+def with_room(n: int, room: int) -> int:
+    """Positions of a cache buffer that holds ``n`` and has room for ``room`` more, in whole ``KV_STEP``s."""
+    return (n + room + KV_STEP - 1) // KV_STEP * KV_STEP
+
+
 def builds_kernels_per_shape() -> bool:
     """Whether the device builds attention kernels per input shape (the CUDA backend's cuDNN graphs)."""
     cuda = getattr(mx, "cuda", None)

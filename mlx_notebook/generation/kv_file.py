@@ -52,6 +52,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, R
 
 from ..control import Pace
 from ..errors import InvalidArgumentError
+from .chunks import with_room
 
 # A piece of bytes is sized to take this share of the stop budget: the rest
 # covers a slower next piece (disk, page cache eviction) and the checkpoint.
@@ -425,17 +426,22 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
         return _plan(f, path).metadata
 
 
-def load(path: str | os.PathLike[str], pace: Pace) -> tuple[list[Any], dict[str, str]]:
+def load(path: str | os.PathLike[str], pace: Pace, *, room: int = 0) -> tuple[list[Any], dict[str, str]]:
     """Read a KV cache and its metadata, in budget-sized pieces with checkpoints between them.
 
     Runs on the thread that owns the MLX stream. The whole header is checked
     before any tensor is allocated; tensor bytes are then read straight into
-    the memory of new, evaluated MLX arrays. A tensor's allocation is one
-    piece of work that cannot be split (~0.5 s per GB on a 2-core CPU).
+    the memory of new, evaluated MLX arrays, allocated on a helper thread
+    (:class:`_Buffers`).
 
     Args:
         path: A file written by :func:`save` or ``mlx_lm.models.cache.save_prompt_cache``.
         pace: The stop budget and checkpoints (``unpaced()`` when nobody stops it).
+        room: Positions to leave free after each ``KVCache`` / ``QuantizedKVCache``
+          layer's tokens (rounded up to whole ``KV_STEP``s, as
+          :func:`.prefix_cache.restore` rounds), so that the tokens that follow
+          are written in place: no copy of the whole cache before them.
+          Default: 0 (the file's shapes).
 
     Returns:
         The cache layers (``KVCache``, ``QuantizedKVCache``, ``RotatingKVCache``
@@ -453,18 +459,35 @@ def load(path: str | os.PathLike[str], pace: Pace) -> tuple[list[Any], dict[str,
         # On a stop, what was read goes with this frame once the caller has handled the
         # stop: freeing up to GBs here (10-55 ms at 1 GB) would delay the report.
         arrays: dict[str, mx.array] = {}
+        sizes = _positions_with_room(plan, room)
         wanted = {name for layer in plan.layers if not layer.empty for name in layer.arrays}
         tensors = [t for t in sorted(plan.tensors.values(), key=lambda t: t.start) if t.name in wanted]
         # Each tensor's memory is allocated on a helper thread while the one before it is read.
-        buffers: list[Future[mx.array] | None] = [_BUFFERS.allocate(tensors[0])] if tensors else []
+        buffers: list[Future[mx.array] | None] = [_BUFFERS.allocate(tensors[0], sizes)] if tensors else []
         for i, t in enumerate(tensors):
             if i + 1 < len(tensors):
-                buffers.append(_BUFFERS.allocate(tensors[i + 1]))
+                buffers.append(_BUFFERS.allocate(tensors[i + 1], sizes))
             out = _BUFFERS.wait(buffers[i], pieces)
             buffers[i] = None
-            arrays[t.name] = _read_tensor(f, t, out, pieces, path)
+            arrays[t.name] = _read_tensor(f, t, out, sizes.get(t.name, 0), pieces, path)
         cache = [_build(layer, [arrays.get(name) for name in layer.arrays]) for layer in plan.layers]
     return cache, dict(plan.metadata)
+
+
+def _positions_with_room(plan: _Plan, room: int) -> dict[str, int]:
+    """Tensor name -> positions its buffer holds (axis 2), for the tensors read with room after their tokens."""
+    sizes: dict[str, int] = {}
+    if room <= 0:
+        return sizes
+    for layer in plan.layers:
+        if layer.empty or layer.cls not in (KVCache, QuantizedKVCache):
+            continue  # a rotating cache's buffer is its window; a concatenating one has no offset
+        offset = layer.scalars[0]
+        for name in layer.arrays:
+            t = plan.tensors[name]
+            if t.nbytes:  # 4-D (checked), no axis of length 0
+                sizes[name] = max(t.shape[2], with_room(offset, room))
+    return sizes
 
 
 def _build(layer: _Layer, got: list[mx.array | None]) -> Any:
@@ -497,11 +520,13 @@ class _Buffers:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
-    def allocate(self, t: _Tensor) -> Future[mx.array]:
+    def allocate(self, t: _Tensor, sizes: dict[str, int]) -> Future[mx.array]:
+        """A zeroed buffer for ``t``: its bytes, or with room (``sizes``, positions on axis 2)."""
+        nbytes = t.nbytes if t.name not in sizes else t.nbytes // t.shape[2] * sizes[t.name]
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-notebook-kv-alloc")
-            return self._pool.submit(_zeros, t.nbytes // _DTYPES[t.dtype][0], _DTYPES[t.dtype][2])
+            return self._pool.submit(_zeros, nbytes // _DTYPES[t.dtype][0], _DTYPES[t.dtype][2])
 
     def settled(self, timeout: float) -> None:
         """Wait until the fills asked for so far have ended (a stopped load's memory is freed then)."""
@@ -530,26 +555,37 @@ def _zeros(n: int, storage: mx.Dtype) -> mx.array:
 _BUFFERS = _Buffers()
 
 
-def _read_tensor(f: BinaryIO, t: _Tensor, out: mx.array, pieces: _Pieces, path: object) -> mx.array:
-    """One tensor read into ``out`` (evaluated, zeroed, its size), piece by piece."""
+def _read_tensor(f: BinaryIO, t: _Tensor, out: mx.array, size: int, pieces: _Pieces, path: object) -> mx.array:
+    """One tensor read into ``out`` (evaluated, zeroed), piece by piece.
+
+    ``size``: 0 when ``out`` has the tensor's shape; else the positions
+    ``out`` holds on axis 2 (``[batch, heads, positions, ...]``), where each
+    of the file's ``batch * heads`` rows of positions starts a row of ``size``.
+    """
     _, dtype, _storage = _DTYPES[t.dtype]
     view = memoryview(out).cast("B")  # type: ignore[arg-type]
+    rows = t.shape[0] * t.shape[1] if size else 1
+    row = t.nbytes // rows
+    stride = row // t.shape[2] * size if size else row
     try:
         f.seek(t.start)
-        done = 0
-        while done < t.nbytes:
-            n = pieces.next(t.nbytes - done)
-            t0 = time.perf_counter()
-            _readinto(f, view[done : done + n], path, t)
-            pieces.took(n, time.perf_counter() - t0)
-            done += n
-            pieces.checkpoint()
+        for r in range(rows):
+            done = 0
+            while done < row:
+                n = pieces.next(row - done)
+                t0 = time.perf_counter()
+                at = r * stride + done
+                _readinto(f, view[at : at + n], path, t)
+                pieces.took(n, time.perf_counter() - t0)
+                done += n
+                pieces.checkpoint()
     except BaseException:
         del out  # a traceback keeps this frame: drop the half-read array now
         raise
     finally:
         view.release()
-    result = out.view(dtype).reshape(t.shape)
+    shape = t.shape if not size else (t.shape[0], t.shape[1], size, *t.shape[3:])
+    result = out.view(dtype).reshape(shape)
     del out
     mx.eval(result)
     return result

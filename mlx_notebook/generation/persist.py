@@ -225,8 +225,10 @@ def fingerprint(loaded: LoadedModel) -> str:
     return loaded.fingerprint
 
 
-def load_seed(seed: KVSeed, loaded: LoadedModel, kv: KVSettings, pace: Pace) -> list[Any]:
+def load_seed(seed: KVSeed, loaded: LoadedModel, kv: KVSettings, pace: Pace, *, room: int = 0) -> list[Any]:
     """The cache of ``seed``'s file, checked to belong to ``loaded`` and ``kv`` (on the worker thread).
+
+    ``room``: positions left free after the tokens (``kv_file.load``).
 
     Raises:
         InvalidArgumentError: Another model's file, other KV settings, a cache
@@ -243,7 +245,7 @@ def load_seed(seed: KVSeed, loaded: LoadedModel, kv: KVSettings, pace: Pace) -> 
         )
     if seed.kv != kv.as_dict():
         raise InvalidArgumentError(f"{seed.path} holds a KV cache made with {seed.kv}, not {kv.as_dict()}")
-    cache, _ = load(seed.path, pace)
+    cache, _ = load(seed.path, pace, room=room)
     expected = kv.make_cache(loaded.model)
     if len(cache) != len(expected):
         raise InvalidArgumentError(

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ..control import Pace
 from .batch_cache import Cache, length
-from .chunks import KV_STEP
+from .chunks import with_room
 from .kv_settings import KVSettings
 
 PLAIN = KVSettings()
@@ -244,11 +244,12 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
         Cancelled: A stop was requested at a checkpoint (the layers copied so
           far hold the same tokens as the others: the cache stays usable).
     """
-    layers = [layer for layer in view if layer.keys is not None]
+    # A layer read from a file with room already (kv_file.load's ``room``) is not copied again.
+    layers = [layer for layer in view if layer.keys is not None and _capacity(layer) < int(layer.offset) + room]
     if not layers:
         return
     n = int(layers[0].offset)
-    size = (n + room + KV_STEP - 1) // KV_STEP * KV_STEP
+    size = with_room(n, room)
     group = 1
     i = 0
     while i < len(layers):
@@ -265,6 +266,12 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
             group = max(1, len(chunk) // 2)
         if i < len(layers):
             pace.checkpoint()
+
+
+def _capacity(layer: Any) -> int:
+    """Positions ``layer``'s buffers hold (axis 2), written or not."""
+    keys = layer.keys[0] if isinstance(layer.keys, (tuple, list)) else layer.keys
+    return int(keys.shape[2])
 
 
 def _with_room(a: Any, n: int, size: int) -> Any:

@@ -293,7 +293,8 @@ class Session:
         cache: Cache | None = None
         cached = 0
         if seed is not None and seed.tokens:
-            cache = load_seed(seed, loaded, kv, pace)
+            # Read with room for the rest of the prompt and the first steps: restore() below copies nothing.
+            cache = load_seed(seed, loaded, kv, pace, room=max(0, len(fed) - len(seed.tokens)) + KV_STEP)
             common = min(common_prefix(seed.tokens, fed), len(fed) - 1)
             if common < len(seed.tokens):
                 if not storable(cache):
