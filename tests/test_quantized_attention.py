@@ -83,9 +83,11 @@ def test_dequantized_route_equals_mlx_lms_quantized_attention(model, restored, m
     _refuse_quantized_matmuls(monkeypatch)
     routed = _forward(model, settings, chunks)
     for ref, got in zip(reference, routed, strict=True):
-        # fp32 sums in another order (OpenBLAS's matmuls against the fused kernel), over logits up to ~18: most
-        # agree to 1e-5, the largest difference seen is 0.006 (a wrong key or value shows as >0.5).
-        assert mx.allclose(ref, got, atol=2e-2).item(), float(mx.abs(ref - got).max())
+        # fp32 sums in another order (OpenBLAS's matmuls against mlx-lm's quantized ones), over logits up to ~18.
+        # The order depends on OpenBLAS's thread count, which the governor lowers under load: with 2 threads for
+        # both runs the largest difference is 0.003, with 1 thread 0.03, with 1 and 2 mixed 0.07 (a full CI run
+        # met 0.03). Keys and values shifted by one position show as 1.4-16 (0.24 on one single step).
+        assert mx.allclose(ref, got, atol=0.15).item(), float(mx.abs(ref - got).max())
 
 
 @pytest.mark.unit
