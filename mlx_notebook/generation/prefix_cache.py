@@ -7,9 +7,9 @@ longest cached prefix and prefills only the rest.
 
 An entry is never changed once stored: a hit gets a trimmed *view* (new
 ``KVCache`` objects over slices of the stored arrays; an entry may hold
-positions past its tokens, e.g. a step built ahead, which no view reaches). MLX arrays are values,
-so the new generation's writes replace its own slices and never reach the
-entry. Entries are evicted least recently used first to stay under
+positions past its tokens, e.g. a step built ahead, which no view reaches).
+MLX arrays are values, so the new generation's writes replace its own slices
+and never reach the entry. Entries are evicted least recently used first to stay under
 ``limit_bytes``; an entry whose tokens are a prefix of a newer entry's is
 dropped when that one is stored (the newer one serves both).
 
