@@ -562,7 +562,7 @@ def _read_tensor(f: BinaryIO, t: _Tensor, out: mx.array, size: int, pieces: _Pie
     ``out`` holds on axis 2 (``[batch, heads, positions, ...]``), where each
     of the file's ``batch * heads`` rows of positions starts a row of ``size``.
     """
-    _, dtype, _storage = _DTYPES[t.dtype]
+    dtype = _DTYPES[t.dtype][1]
     view = memoryview(out).cast("B")  # type: ignore[arg-type]
     rows = t.shape[0] * t.shape[1] if size else 1
     row = t.nbytes // rows

@@ -245,7 +245,7 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
           far hold the same tokens as the others: the cache stays usable).
     """
     # A layer read from a file with room already (kv_file.load's ``room``) is not copied again.
-    layers = [layer for layer in view if layer.keys is not None and _capacity(layer) < int(layer.offset) + room]
+    layers = [layer for layer in view if layer.keys is not None and capacity(layer) < int(layer.offset) + room]
     if not layers:
         return
     n = int(layers[0].offset)
@@ -268,7 +268,7 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
             pace.checkpoint()
 
 
-def _capacity(layer: Any) -> int:
+def capacity(layer: Any) -> int:
     """Positions ``layer``'s buffers hold (axis 2), written or not."""
     keys = layer.keys[0] if isinstance(layer.keys, (tuple, list)) else layer.keys
     return int(keys.shape[2])
@@ -301,4 +301,4 @@ def trimmed(cache: Cache, n: int) -> Cache:
     return _view(cache, n)
 
 
-__all__ = ["DEFAULT_PROMPT_CACHE_GB", "PromptCache", "restore", "storable", "trimmed"]
+__all__ = ["DEFAULT_PROMPT_CACHE_GB", "PromptCache", "capacity", "restore", "storable", "trimmed"]
