@@ -3,6 +3,9 @@
 The decision is checked on a written ``/proc/stat`` (the numbers are the
 input; the library calls are counted), and the shipped governor on this
 machine's real ``/proc/stat`` and real OpenBLAS against real busy processes.
+A decode step of several rows gets the count its own timed steps ran
+fastest on: the trials are checked on given times, and a real batch of the
+tiny model is checked to feed them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import mlx_notebook
 from mlx_notebook.loading import blas, blas_threads
 from testkit.waiting import wait_until
 
@@ -92,3 +96,67 @@ def test_an_unreadable_proc_stat_stops_the_fitting_not_the_generation(tmp_path: 
     monkeypatch.setattr(blas_threads, "_tried", True)
     assert blas_threads.fit_to_load() is None
     assert blas_threads.governor() is None and lib.calls == []
+
+
+@pytest.mark.unit
+def test_a_batched_step_gets_the_thread_count_its_own_steps_ran_fastest_on() -> None:
+    trials = blas_threads.StepTrials()
+    # One row or one free core: nothing to try, the load-fitted count.
+    assert trials.threads(1, free=4) == 4 and trials.threads(3, free=1) == 1
+    # Four rows on four free cores: 4, then 2, then 1 thread, TRIAL_STEPS steps each.
+    seconds = {4: 0.09, 2: 0.07, 1: 0.08}
+    tried = []
+    for _ in range(3 * blas_threads.TRIAL_STEPS):
+        n = trials.threads(4, free=4)
+        tried.append(n)
+        trials.record(4, 4, n, seconds[n])
+    assert tried == [4] * 3 + [2] * 3 + [1] * 3
+    assert trials.threads(5, free=4) == 2  # 4-7 rows share what 4 rows measured
+    assert trials.threads(2, free=4) == 4  # 2-3 rows are tried on their own
+    assert trials.threads(4, free=2) == 2  # and so is another load
+    # The chosen count is timed again after RETRY_STEPS steps: the context and the rows change.
+    for _ in range(blas_threads.RETRY_STEPS):
+        trials.record(4, 4, 2, 0.07)
+    assert trials.threads(4, free=4) == 4
+
+
+@pytest.mark.unit
+def test_the_step_in_flight_when_the_count_changed_is_not_timed(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _write_stat(stat, 0, 1000)
+    lib = _Library(cores=2)
+    governor = blas_threads.BlasThreads(lib, stat_path=str(stat))  # type: ignore[arg-type]
+    assert governor.fit(rows=4) == 2  # the first candidate is the count in use: no change
+    governor.step_took(4, 0.1)
+    assert governor.fit(rows=4) == 2
+    governor.step_took(4, 0.1)
+    governor.fit(rows=4)
+    governor.step_took(4, 0.1)  # three steps timed on two threads
+    assert governor.fit(rows=4) == 1 and lib.calls == [1]
+    governor.step_took(4, 5.0)  # ran partly on two threads: not a sample of one
+    for _ in range(blas_threads.TRIAL_STEPS):
+        governor.fit(rows=4)
+        governor.step_took(4, 0.05)
+    assert governor.fit(rows=4) == 1  # one thread won: 0.05 s against 0.1 s
+    assert governor.fit(rows=1) == 2 and lib.calls == [1, 2]  # a prefill piece or a lone row: every free core
+
+
+def test_a_real_batch_times_its_steps_for_the_thread_count(worker, tiny_model, tmp_path: Path, monkeypatch) -> None:
+    """The session feeds its decode steps' times to the governor (the library's calls recorded, the load quiet)."""
+    stat = tmp_path / "stat"
+    _write_stat(stat, 0, 1000)
+    lib = _Library(cores=2)
+    governor = blas_threads.BlasThreads(lib, stat_path=str(stat))  # type: ignore[arg-type]
+    monkeypatch.setattr(blas_threads, "_governor", governor)
+    monkeypatch.setattr(blas_threads, "_tried", True)
+    gens = [
+        mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=24)
+        for p in ("the first of two rows", "and the second one")
+    ]
+    for g in gens:
+        g.result(timeout=120)
+    assert max(g.stats.batch_size for g in gens) == 2
+    trial = governor.steps._trials[(2, 2)]
+    assert trial.chosen in (1, 2), trial
+    assert all(len(trial.samples[n]) == blas_threads.TRIAL_STEPS for n in (1, 2))
+    assert all(0 < s < 10 for n in (1, 2) for s in trial.samples[n])

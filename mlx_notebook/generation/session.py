@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
-from ..loading.blas_threads import fit_to_load
+from ..loading.blas_threads import fit_to_load, step_took
 from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache, quantized_attention
@@ -125,6 +125,9 @@ class Session:
         # row with a quantized or rotating cache (those decode alone: kv_settings).
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.batchable = True
+        # When the loop's last decode step ended, and its rows: the next one is
+        # timed from there if nothing else ran in between (see _timed_step).
+        self._timed: tuple[float, int] | None = None
 
     # -- the loop -----------------------------------------------------------------
 
@@ -140,9 +143,10 @@ class Session:
                         batch.poll_parked()
                     job = self.jobs.take_joiner(self.key, self._fits)
                     if job is not None:
+                        self._timed = None
                         self._start(job, stack)
                     elif self._has_work():
-                        self._step()
+                        self._timed_step()
                     elif any(b.parked for b in self.batches.values()):
                         self.jobs.wait_for_change(IDLE_WAIT_S)
                     else:
@@ -165,9 +169,23 @@ class Session:
         cap = min([r.generation.request.max_batch for r in running] + [job.generation.request.max_batch])
         return len(running) < cap
 
-    def _step(self) -> None:
+    def _timed_step(self) -> None:
+        """A step of the loop's own, timed end to end for OpenBLAS's thread count on the CPU.
+
+        Steps right after a prefill are not timed: the interval would hold a
+        piece of it. A step keeps the one queued behind it busy, so the time
+        from one step's end to the next's is one step's device time.
+        """
+        rows = sum(len(b.rows) for b in self.batches.values() if b.has_work())
+        self._step(rows)
+        now = time.perf_counter()
+        if self._timed is not None and self._timed[1] == rows:
+            step_took(rows, now - self._timed[0])
+        self._timed = (now, rows)
+
+    def _step(self, rows: int = 1) -> None:
         """One step of every batch with work (in turn: they share the device)."""
-        _fit_blas_threads()
+        _fit_blas_threads(rows)
         for batch in list(self.batches.values()):
             if batch.has_work():
                 self._step_batch(batch)
@@ -419,10 +437,13 @@ class Session:
             log.debug("synchronize after error failed", exc_info=True)
 
 
-def _fit_blas_threads() -> None:
-    """On the CPU, OpenBLAS's threads to the cores other processes leave free (:mod:`..loading.blas_threads`)."""
+def _fit_blas_threads(rows: int = 1) -> None:
+    """On the CPU, OpenBLAS's threads to the cores other processes leave free and to the work (:mod:`..loading.blas_threads`).
+
+    ``rows``: the rows of the decode step about to run; 1 for a prefill piece.
+    """
     if mx.default_device().type == mx.cpu:
-        fit_to_load()
+        fit_to_load(rows)
 
 
 def _check_logit_bias(loaded: LoadedModel, request: Any) -> None:
