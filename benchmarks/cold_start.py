@@ -10,7 +10,11 @@ to ``wait()`` returning. The planner knows nothing in such a process: its
 first chunks follow a small probe, and a stop must still land within the
 budget + 50 ms. Models: ``tiny`` (testkit's random llama), ``qwen256x6`` (a
 random qwen3, hidden 256, 6 layers, real-size tokenizer), ``default``
-(SmolLM2-135M).
+(SmolLM2-135M), or a shape of ``benchmarks.bench`` (``llama3-8b``, ``qwen3-8b``:
+random weights, real-size tokenizers), built into ``--build-dir``::
+
+    bash benchmarks/device_run.sh python3 -m benchmarks.cold_start --models qwen3-8b,llama3-8b \\
+        --build-dir /tmp/build --rounds 8 --length 8192 --window 0.5 --budget 0.01 --out $OUT/h200_cold_start.json
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def model_name(label: str, folder: Path) -> str:
         from testkit.real_tokenizer import make_real_model
 
         return str(make_real_model(folder / "qwen256x6", hidden=256, layers=6))
+    if label in bench.SYNTHETIC:  # the 8B shapes on an NVIDIA machine
+        return bench.build_synthetic(label, folder / label)
     return label
 
 
@@ -68,7 +74,9 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="mlxnb-cold-")
     folder = args.build_dir or Path(tmp.name)
     rng = random.Random(args.seed)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # The repository first, then what the caller had (the device's mlx install).
+    path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     result: dict[str, Any] = {"command": " ".join(sys.argv), "budget_s": args.budget, "models": {}}
     for label in args.models.split(","):
         name = model_name(label, folder)
