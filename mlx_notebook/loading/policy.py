@@ -71,8 +71,9 @@ def batch_decode(model: nn.Module | None = None) -> bool:
     OpenBLAS (the default model's fast path) a step is not "B times one"
     either: 2-core x86, SmolLM2-135M, B=1 / 4 / 8 steps of 70 / 118 / 151 ms
     (2.4x / 3.7x one row's rate); four generations of 48 tokens submitted
-    together end 2.1x sooner than one after another, each with its solo
-    tokens (``benchmarks/batching.py``). An earlier measurement said 1.07x:
+    together end 2.3x sooner than one after another, each with its solo
+    tokens (``benchmarks/batching.py``; a batched step's OpenBLAS threads
+    are chosen by timing it, :mod:`.blas_threads`). An earlier measurement said 1.07x:
     that benchmark imported ``mlx`` before ``mlx_notebook``, so OpenBLAS was
     never loaded and the model stayed Q4_1, and MLX's quantized CPU matmul
     (no BLAS) costs about B times one row for B rows (137 / 454 / 1096 ms:
