@@ -34,7 +34,7 @@ from ..errors import InvalidArgumentError
 from ..loading.blas_threads import fit_to_load, step_took
 from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
-from . import batch_cache, quantized_attention
+from . import batch_cache, quantized_attention, small_attention
 from .batch_cache import Cache
 from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .chunks import KV_STEP
@@ -345,7 +345,10 @@ class Session:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.loaded = loaded
+        loaded.warmed = True  # its first prefill pays the first uses (see warm_up)
         self.batchable = batch_decode(loaded.model) and batch_cache.batchable(make_prompt_cache(loaded.model))
+        if small_attention.wanted():
+            small_attention.install(loaded.model)
         stack.enter_context(wired_limit(loaded.model, self.stream))
 
     def _prompt_cache(self, loaded: LoadedModel) -> PromptCache:

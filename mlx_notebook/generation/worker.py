@@ -45,6 +45,7 @@ import mlx.core as mx
 from ..control import CancelToken, Pace
 from ..errors import InvalidArgumentError
 from ..loading.store import ModelStore, Tokenizer
+from . import warm_up
 from .handle import Generation, Reporter
 from .persist import read_resume
 from .prefix_cache import DEFAULT_PROMPT_CACHE_GB, GB
@@ -395,6 +396,7 @@ class Worker:
         self.stream = mx.new_stream(mx.default_device())
         try:
             while True:
+                self._warm_while_idle()
                 job = self._next_job()
                 if job is None:
                     return
@@ -410,6 +412,20 @@ class Worker:
             # exception", mlx 0.32; see ml-explore/mlx#4327, #4373).
             self._synchronize_quietly()
             mx.clear_streams()
+
+    def _warm_while_idle(self) -> None:
+        """Pay each loaded model's first forward now, while nothing is queued (see :mod:`.warm_up`)."""
+        if not warm_up.wanted():
+            return
+        assert self.stream is not None  # made by the thread before it takes jobs
+        for loaded in self.store.loaded():
+            with self._cond:
+                if self._queue or self._inline or self._closed:
+                    return
+            if not loaded.warmed:
+                loaded.warmed = True  # once, even if it fails: a real generation reports that
+                with mx.stream(self.stream):
+                    warm_up.warm(loaded)
 
     def _run_call(self, job: _Call) -> None:
         assert self.stream is not None  # made by the thread before it takes jobs

@@ -103,6 +103,8 @@ class LoadedModel:
         step_s: Seconds of its last solo decode step, which sizes the layer
           groups of a lone token's forward (a prompt fully in the prefix
           cache). Default: ``None`` (not measured yet).
+        warmed: Whether the worker ran its first forward while idle (see
+          ``generation.warm_up``). Default: ``False``.
     """
 
     source: ModelSource
@@ -118,6 +120,7 @@ class LoadedModel:
     prompt_cache: Any = None
     fingerprint: str | None = None
     step_s: float | None = None
+    warmed: bool = False
 
 
 class ModelStore:
