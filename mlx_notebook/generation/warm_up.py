@@ -9,7 +9,9 @@ first prompt of a fresh process was stopped within budget + 50 ms in only
 3-4 of 8 rounds. MLX keeps those handles and its attention graphs per thread
 (``thread_local``): a helper thread's warm-up left 70 ms of it to the worker,
 so the worker's own thread runs this, between jobs, and only while nothing
-is queued. A generation submitted meanwhile waits for it (its first token
+is queued. It also runs one fused attention: small prefill chunks go
+unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
+first long prompt. A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
 
@@ -52,6 +54,13 @@ def warm(loaded: LoadedModel) -> None:
         ids = mx.arange(1, FIRST_PREFILL_CHUNK + 1, dtype=mx.uint32)[None]
         mx.eval(model(ids, cache=cache))
         mx.eval(model(ids[:, -1:], cache=cache))
+        # The first fused attention of a process starts cuDNN (60-90 ms; 680 ms
+        # on a machine's first process, which compiles its kernels): small
+        # chunks go unfused (see small_attention), so without this it landed
+        # in the first long prompt's first big chunk, and a join stalled the
+        # others' tokens for 780 ms.
+        one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
+        mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
         mx.synchronize()
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
