@@ -98,12 +98,17 @@ class StepTrials:
 
     def threads(self, rows: int, free: int) -> int:
         """The count for a step of ``rows`` rows with ``free`` cores left by other processes."""
-        return free if rows < 2 or free < 2 else self._trial(rows, free).current()
+        return self._trial(rows, free).current() if _by_trials(rows, free) else free
 
     def record(self, rows: int, free: int, threads: int, seconds: float) -> None:
         """One step of ``rows`` rows took ``seconds`` on ``threads`` threads."""
-        if rows >= 2 and free >= 2:
+        if _by_trials(rows, free):
             self._trial(rows, free).record(threads, seconds)
+
+
+def _by_trials(rows: int, free: int) -> bool:
+    """Whether a step's count is chosen by trials: a lone row (and one free core) keeps every free core."""
+    return rows >= 2 and free >= 2
 
 
 @dataclass
