@@ -392,6 +392,11 @@ def test_wired_limit_on_metal_is_raised_and_restored_after_a_sync(worker, tiny_m
     """Metal faked (nothing here runs on Apple hardware): what mlx-lm's wired_limit does, on the worker's stream."""
     from mlx_notebook.generation import wired
 
+    # The limit is raised when a session opens. An earlier test's session may
+    # still be in its loop (its generation ended, the loop not yet returned):
+    # a generation submitted then joins it and opens nothing. A call queued
+    # now runs only once that session has ended.
+    worker.call(lambda store: None, timeout=30)
     calls = []
     real_sync = mx.synchronize
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
