@@ -174,9 +174,14 @@ def test_load_arriving_mid_prefill_is_followed_within_a_few_chunks() -> None:
     after = [r for r in runs if r.start >= switch]
     # Planned from quiet costs, the first chunk after the switch runs long; two later they fit the floor.
     assert all(r.true_s <= 2.5 * LOADED["fixed"] for r in after[2:]), [(r.n, round(r.true_s, 2)) for r in after]
-    # And they do not shrink: the load swelled the fixed part, so they grow.
-    before = [r.n for r in runs[4 : len(runs) - len(after)]]
-    assert statistics.median(r.n for r in after[2:-1]) >= statistics.median(before)
+    # And they do not collapse: they stay near the size whose tokens cost as
+    # much as the swollen fixed part. (This asked for chunks no smaller than
+    # the quiet ones until session 18; that contradicts the bound above: at
+    # the quiet median of ~97 tokens a loaded chunk from 1,500 costs 5.1 s,
+    # past 2.5 x 1.5 s.)
+    true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
+    floor = statistics.median(true.balance_size(r.start) for r in after)
+    assert statistics.median(r.n for r in after[2:-1]) >= 0.7 * floor
 
 
 @pytest.mark.xfail(
