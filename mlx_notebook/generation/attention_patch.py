@@ -8,6 +8,11 @@ hands every other call to what was there before. Each wrapper is tagged
 with its purpose, and the tags of the function it wraps are carried over,
 so installing twice is a no-op and two purposes stack in either order.
 
+A purpose is written as a *route* (:func:`route`): a function of the call's
+arguments that returns the attention where it takes the call, or ``None``
+to hand it on; the wrapper around it, with mlx-lm's parameter list, is
+written once, here.
+
 This module never imports IPython or ipywidgets.
 """
 
@@ -23,6 +28,8 @@ _TAGS = "_mlx_notebook_attention_tags"
 _WRAPS = "_mlx_notebook_attention_wraps"
 
 Attention = Callable[..., Any]
+# (queries, keys, values, cache, scale, mask, sinks) -> the output, or None: not this route's call.
+Route = Callable[[Any, Any, Any, Any, float, Any, Any], Any]
 
 
 def module_of(model: Any) -> Any:
@@ -47,6 +54,29 @@ def wrap(model: Any, tag: str, make: Callable[[Attention], Attention]) -> bool:
         setattr(wrapped, _WRAPS, current)
         setattr(module, NAME, wrapped)
     return True
+
+
+def route(model: Any, tag: str, take: Route) -> bool:
+    """:func:`wrap` ``model``'s attention so that the calls ``take`` answers go its way, the rest on.
+
+    ``take`` gets mlx-lm's arguments positionally (queries, keys, values,
+    cache, scale, mask, sinks) and returns an array, or ``None`` for the
+    function it wraps.
+    """
+
+    def make(original: Attention) -> Attention:
+        # mlx-lm's scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None).
+        def attention(
+            queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any = None
+        ) -> Any:
+            out = take(queries, keys, values, cache, scale, mask, sinks)
+            if out is None:
+                return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            return out
+
+        return attention
+
+    return wrap(model, tag, make)
 
 
 def unwrap(model: Any, original: Attention) -> None:
@@ -74,4 +104,4 @@ def unpatched(model: Any) -> Iterator[None]:
         setattr(module, NAME, current)
 
 
-__all__ = ["module_of", "unpatched", "unwrap", "wrap"]
+__all__ = ["Route", "module_of", "route", "unpatched", "unwrap", "wrap"]

@@ -43,7 +43,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import quantized_decode_kernel
-from .attention_patch import Attention, wrap
+from .attention_patch import route
 from .chunks import builds_kernels_per_shape
 
 # A decode step (one query position) reads the packed cache in one fused
@@ -58,38 +58,29 @@ def wanted() -> bool:
 
 def install(model: Any) -> bool:
     """Route ``model``'s attention over quantized caches through here; return whether it could (idempotent)."""
-    return wrap(model, "quantized", _dequantizing)
+    return route(model, "quantized", _dequantizing)
 
 
-def _dequantizing(original: Attention) -> Attention:
-    def attention(
-        queries: mx.array,
-        keys: Any,
-        values: Any,
-        cache: Any,
-        scale: float,
-        mask: Any,
-        sinks: Any = None,
-    ) -> mx.array:
-        bits = getattr(cache, "bits", None)
-        if bits is None:  # not a quantized cache
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        group = cache.group_size
-        # One query position needs no mask ("causal" over one row is none).
-        unmasked = mask is None or isinstance(mask, str)
-        if (
-            fused_decode
-            and unmasked
-            and sinks is None
-            and quantized_decode_kernel.available()
-            and quantized_decode_kernel.supports(queries, keys, values, bits, group)
-        ):
-            return quantized_decode_kernel.attend(queries, keys, values, scale, group, bits)
-        k = _dequantized(keys, group, bits, queries.dtype)
-        v = _dequantized(values, group, bits, queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
-
-    return attention
+def _dequantizing(
+    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> mx.array | None:
+    bits = getattr(cache, "bits", None)
+    if bits is None:  # not a quantized cache
+        return None
+    group = cache.group_size
+    # One query position needs no mask ("causal" over one row is none).
+    unmasked = mask is None or isinstance(mask, str)
+    if (
+        fused_decode
+        and unmasked
+        and sinks is None
+        and quantized_decode_kernel.available()
+        and quantized_decode_kernel.supports(queries, keys, values, bits, group)
+    ):
+        return quantized_decode_kernel.attend(queries, keys, values, scale, group, bits)
+    k = _dequantized(keys, group, bits, queries.dtype)
+    v = _dequantized(values, group, bits, queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def _dequantized(packed: Any, group: int, bits: int, dtype: mx.Dtype) -> mx.array:

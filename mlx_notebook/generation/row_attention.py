@@ -28,12 +28,11 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
-from .attention_patch import wrap
+from .attention_patch import route
 from .chunks import builds_kernels_per_shape
 
 # Positions from which a padded batch's step attends row by row (measured
@@ -48,35 +47,26 @@ def wanted() -> bool:
 
 def install(model: Any) -> bool:
     """Wrap the attention function of ``model``'s module; return whether it has one (idempotent)."""
-    return wrap(model, "rows", _row_by_row)
+    return route(model, "rows", _row_by_row)
 
 
-def _row_by_row(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def attention(
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        cache: Any,
-        scale: float,
-        mask: Any,
-        sinks: Any = None,
-    ) -> mx.array:
-        pads = getattr(cache, "row_pads", None)
-        if pads is None or queries.shape[2] != 1 or sinks is not None:
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        if not any(pads):
-            # Rows of one length: the mask hides nothing, and one fused call does it all.
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        return mx.concatenate(
-            [
-                mx.fast.scaled_dot_product_attention(
-                    queries[i : i + 1], keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:], scale=scale
-                )
-                for i, pad in enumerate(pads)
-            ]
-        )
-
-    return attention
+def _row_by_row(
+    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> mx.array | None:
+    pads = getattr(cache, "row_pads", None)
+    if pads is None or queries.shape[2] != 1 or sinks is not None:
+        return None
+    if not any(pads):
+        # Rows of one length: the mask hides nothing, and one fused call does it all.
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+    return mx.concatenate(
+        [
+            mx.fast.scaled_dot_product_attention(
+                queries[i : i + 1], keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:], scale=scale
+            )
+            for i, pad in enumerate(pads)
+        ]
+    )
 
 
 def mark(cache: list[Any], pads: list[int] | None) -> None:

@@ -21,12 +21,11 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
-from .attention_patch import wrap
+from .attention_patch import route
 from .chunks import builds_kernels_per_shape
 
 # Largest score tensor computed unfused, in elements (64 MB in float32): a
@@ -41,7 +40,7 @@ def wanted() -> bool:
 
 def install(model: Any) -> bool:
     """Wrap the attention function of ``model``'s module; return whether it has one (idempotent)."""
-    return wrap(model, "small", _unfused_when_small)
+    return route(model, "small", _unfused_when_small)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -75,29 +74,20 @@ def _grouped(mask: mx.array, kv_heads: int, groups: int) -> mx.array:
     return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
 
 
-def _unfused_when_small(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def attention(
-        queries: mx.array,
-        keys: Any,
-        values: Any,
-        cache: Any,
-        scale: float,
-        mask: Any,
-        sinks: Any = None,
-    ) -> mx.array:
-        n = queries.shape[2]
-        if (
-            n == 1
-            or sinks is not None
-            or hasattr(cache, "bits")
-            or not isinstance(keys, mx.array)
-            or (isinstance(mask, str) and mask != "causal")
-            or queries.shape[0] * queries.shape[1] * n * keys.shape[2] > MAX_SCORES
-        ):
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        return attend(queries, keys, values, scale, mask)
-
-    return attention
+def _unfused_when_small(
+    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> mx.array | None:
+    n = queries.shape[2]
+    if (
+        n == 1
+        or sinks is not None
+        or hasattr(cache, "bits")
+        or not isinstance(keys, mx.array)
+        or (isinstance(mask, str) and mask != "causal")
+        or queries.shape[0] * queries.shape[1] * n * keys.shape[2] > MAX_SCORES
+    ):
+        return None
+    return attend(queries, keys, values, scale, mask)
 
 
 __all__ = ["MAX_SCORES", "attend", "install", "wanted"]
