@@ -129,6 +129,28 @@ QUIET = dict(fixed=0.08, per_token=0.010, per_context=3e-6)
 LOADED = dict(fixed=1.5, per_token=0.025, per_context=8e-6, noise=0.5, spikes=0.1, spike_s=3.0)
 
 
+# What the planner is told a chunk costs in the engine (layer pieces, budget
+# 0.1), measured in session 18 with forced chunk sizes over 1,500 positions
+# (`benchmarks/results/cpu_engine_chunk_cost_session18.log`; three parts
+# fitted with relative errors). Eight busy loops (load ~10) swell the fixed
+# part 3.7x and the per-token part 8x, not the fixed part 19x as LOADED's.
+ENGINE = {
+    "quiet": dict(fixed=0.07, per_token=0.0012, per_context=5.8e-6, noise=0.4),
+    "2 busy loops": dict(fixed=0.13, per_token=0.0043, per_context=8e-6, noise=0.32),
+    "8 busy loops": dict(fixed=0.26, per_token=0.01, per_context=2.65e-5, noise=0.5),
+}
+
+
+def oracle_total(model: CostModel, tokens: int, target_s: float) -> float:
+    """Seconds a planner that knew the true cost would spend: chunks that fill the target."""
+    done, seconds = 0, 0.0
+    while done < tokens:
+        n = min(tokens - done, max(1, int(model.size_within(target_s, done))))
+        seconds += model.seconds(n, done)
+        done += n
+    return seconds
+
+
 def per_token_only(runs: list[Run], fixed: float) -> float:
     """What the same chunks would cost without their fixed parts."""
     return total(runs) - fixed * len(runs)
@@ -152,6 +174,35 @@ def test_load_swelling_the_fixed_cost_does_not_collapse_the_chunks() -> None:
         assert statistics.median(sizes) >= 0.7 * floor, (seed, floor, sizes)
         # So a chunk takes about twice its fixed part, not more: a stop waits about that.
         assert statistics.median(r.true_s for r in loaded[4:]) <= 3 * LOADED["fixed"]
+
+
+@pytest.mark.parametrize("load", list(ENGINE))
+def test_the_engines_measured_costs_take_about_what_an_oracle_would(load: str) -> None:
+    # A 3,000-token prefill of the default model at budget 0.1: the chunks'
+    # fixed parts are the planner's only cost beyond the tokens'. At 8 busy
+    # loops the real prefill took 240 s against plain mlx-lm's 205 s: at 33-90
+    # ms a token, chunks that fit the budget are 10-30 tokens, each paying its
+    # fixed part; the oracle pays that too.
+    params = ENGINE[load]
+    true = CostModel(params["fixed"], params["per_token"], params["per_context"])
+    best = oracle_total(true, 3000, LAYER_TARGET)
+    for seed in range(6):
+        runs = simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**params), seed=seed)
+        # Chunks of a fixed 32 tokens would take 1.09-1.14x the oracle quiet and at 2 loops.
+        assert total(runs) <= 1.1 * best, (seed, round(total(runs), 1), round(best, 1), len(runs))
+        assert statistics.median(r.true_s for r in runs) >= 0.6 * LAYER_TARGET
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: under the measured scatter (sigma 0.3-0.5) one chunk in ten runs past 1.5x the target (issue 20, item 4)",
+)
+@pytest.mark.parametrize("load", list(ENGINE))
+def test_the_engines_measured_scatter_keeps_nine_chunks_in_ten_within_the_target(load: str) -> None:
+    params = ENGINE[load]
+    for seed in range(6):
+        times = sorted(r.true_s for r in simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**params), seed=seed))
+        assert times[int(0.9 * len(times))] <= 1.5 * LAYER_TARGET, (seed, times[int(0.9 * len(times)) :])
 
 
 def test_the_same_planner_keeps_quiet_chunks_within_the_target() -> None:
