@@ -132,12 +132,13 @@ LOADED = dict(fixed=1.5, per_token=0.025, per_context=8e-6, noise=0.5, spikes=0.
 # What the planner is told a chunk costs in the engine (layer pieces, budget
 # 0.1), measured in session 18 with forced chunk sizes over 1,500 positions
 # (`benchmarks/results/cpu_engine_chunk_cost_session18.log`; three parts
-# fitted with relative errors). Eight busy loops (load ~10) swell the fixed
-# part 3.7x and the per-token part 8x, not the fixed part 19x as LOADED's.
+# fitted with relative errors; noise: the standard deviation of the log
+# ratios around that fit). Eight busy loops (load ~10) swell the fixed part
+# 3.7x and the per-token part 8x, not the fixed part 19x as LOADED's.
 ENGINE = {
-    "quiet": dict(fixed=0.07, per_token=0.0012, per_context=5.8e-6, noise=0.4),
-    "2 busy loops": dict(fixed=0.13, per_token=0.0043, per_context=8e-6, noise=0.32),
-    "8 busy loops": dict(fixed=0.26, per_token=0.01, per_context=2.65e-5, noise=0.5),
+    "quiet": dict(fixed=0.07, per_token=0.0012, per_context=5.8e-6, noise=0.16),
+    "2 busy loops": dict(fixed=0.13, per_token=0.0043, per_context=8e-6, noise=0.13),
+    "8 busy loops": dict(fixed=0.26, per_token=0.01, per_context=2.65e-5, noise=0.19),
 }
 
 
@@ -193,12 +194,22 @@ def test_the_engines_measured_costs_take_about_what_an_oracle_would(load: str) -
         assert statistics.median(r.true_s for r in runs) >= 0.6 * LAYER_TARGET
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: under the measured scatter (sigma 0.3-0.5) one chunk in ten runs past 1.5x the target (issue 20, item 4)",
+@pytest.mark.parametrize(
+    "load",
+    [
+        pytest.param(
+            "quiet",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open: quiet, a token's cost grows 15x over 3,000 positions and the affine fit lags it: "
+                "p90 chunks 1.3-3.1x the target (issue 20, item 4)",
+            ),
+        ),
+        "2 busy loops",
+        "8 busy loops",
+    ],
 )
-@pytest.mark.parametrize("load", list(ENGINE))
-def test_the_engines_measured_scatter_keeps_nine_chunks_in_ten_within_the_target(load: str) -> None:
+def test_the_engines_measured_costs_keep_nine_chunks_in_ten_within_the_target(load: str) -> None:
     params = ENGINE[load]
     for seed in range(6):
         times = sorted(r.true_s for r in simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**params), seed=seed))
