@@ -108,13 +108,24 @@ def total(runs: list[Run]) -> float:
     return sum(r.true_s for r in runs)
 
 
+def oracle_plan(model: CostModel, tokens: int, target_s: float) -> list[tuple[int, int]]:
+    """``(start, size)`` of the chunks a planner that knew the true cost would run: each fills the target."""
+    plan, done = [], 0
+    while done < tokens:
+        n = min(tokens - done, max(1, int(model.size_within(target_s, done))))
+        plan.append((done, n))
+        done += n
+    return plan
+
+
 def ideal_chunks(model: CostModel, tokens: int, target_s: float) -> int:
     """Chunks a planner that knew the true cost would need."""
-    done, count = 0, 0
-    while done < tokens:
-        done += max(1, int(model.size_within(target_s, done)))
-        count += 1
-    return count
+    return len(oracle_plan(model, tokens, target_s))
+
+
+def cost_model(params: dict) -> CostModel:
+    """The true cost of a :func:`device`'s keyword arguments (its noise left out)."""
+    return CostModel(params["fixed"], params["per_token"], params.get("per_context", 0.0))
 
 
 # The default model (SmolLM2-135M, 30 layers) on this 2-core CPU, layer pieces:
@@ -143,13 +154,8 @@ ENGINE = {
 
 
 def oracle_total(model: CostModel, tokens: int, target_s: float) -> float:
-    """Seconds a planner that knew the true cost would spend: chunks that fill the target."""
-    done, seconds = 0, 0.0
-    while done < tokens:
-        n = min(tokens - done, max(1, int(model.size_within(target_s, done))))
-        seconds += model.seconds(n, done)
-        done += n
-    return seconds
+    """Seconds a planner that knew the true cost would spend (:func:`oracle_plan`)."""
+    return sum(model.seconds(n, start) for start, n in oracle_plan(model, tokens, target_s))
 
 
 def per_token_only(runs: list[Run], fixed: float) -> float:
@@ -162,7 +168,7 @@ def per_token_only(runs: list[Run], fixed: float) -> float:
     reason="open: the fit puts a swollen fixed cost into the slope and cuts chunks to 1-20 tokens (issue 20, item 4)",
 )
 def test_load_swelling_the_fixed_cost_does_not_collapse_the_chunks() -> None:
-    true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
+    true = cost_model(LOADED)
     for seed in range(5):
         loaded = simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**LOADED), seed=seed)
         # At least half of the time goes to tokens, not to fixed costs: no
@@ -185,7 +191,7 @@ def test_the_engines_measured_costs_take_about_what_an_oracle_would(load: str) -
     # ms a token, chunks that fit the budget are 10-30 tokens, each paying its
     # fixed part; the oracle pays that too.
     params = ENGINE[load]
-    true = CostModel(params["fixed"], params["per_token"], params["per_context"])
+    true = cost_model(params)
     best = oracle_total(true, 3000, LAYER_TARGET)
     for seed in range(6):
         runs = simulate(ChunkPlanner(), 3000, LAYER_TARGET, device(**params), seed=seed)
@@ -241,7 +247,7 @@ def test_load_arriving_mid_prefill_is_followed_within_a_few_chunks() -> None:
     # the quiet ones until session 18; that contradicts the bound above: at
     # the quiet median of ~97 tokens a loaded chunk from 1,500 costs 5.1 s,
     # past 2.5 x 1.5 s.)
-    true = CostModel(LOADED["fixed"], LOADED["per_token"], LOADED["per_context"])
+    true = cost_model(LOADED)
     floor = statistics.median(true.balance_size(r.start) for r in after)
     assert statistics.median(r.n for r in after[2:-1]) >= 0.7 * floor
 
