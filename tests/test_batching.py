@@ -322,6 +322,33 @@ def test_the_default_batches_on_the_cpu_too(tiny_model, monkeypatch):
         worker.shutdown()
 
 
+def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_model, solo, monkeypatch):
+    """The decode step's attention in groups of rows (CUDA's path, forced here) leaves every row's tokens as they were.
+
+    The mask made dear, so every plan splits the rows by padding: two rows of
+    each prompt make groups of two, the four lengths four calls.
+    """
+    from mlx_notebook.generation import row_attention
+
+    monkeypatch.setattr(row_attention, "wanted", lambda: True)
+    monkeypatch.setattr(row_attention, "MASKED_MS", 1.0)
+    row_attention._plan.cache_clear()
+    plans: list = []
+    apply = row_attention.apply
+    monkeypatch.setattr(row_attention, "apply", lambda cache, groups: (plans.append(groups), apply(cache, groups)))
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        gens = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=24) for p in PROMPTS + PROMPTS]
+        for gen in gens:
+            gen.result(timeout=120)
+        assert any(g is not None and len(g) == 4 and all(len(x.rows) == 2 for x in g) for g in plans), plans[:3]
+        for prompt, gen in zip(PROMPTS + PROMPTS, gens):
+            assert gen.tokens == solo[prompt, None], prompt
+    finally:
+        worker.shutdown()
+        row_attention._plan.cache_clear()
+
+
 def test_batch_off_by_override(tiny_model, monkeypatch):
     monkeypatch.setenv("MLX_NOTEBOOK_BATCH", "0")
     worker = mlx_notebook.Worker(prompt_cache_gb=0)

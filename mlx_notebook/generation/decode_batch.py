@@ -784,7 +784,7 @@ class DecodeBatch:
             # call, and a step built ahead and undone on pause converted nothing.
             self.rows[0].kv.quantize(self._cache)
         elif self._row_attention:
-            row_attention.mark(self._cache, self._row_pads())
+            row_attention.mark(self._cache, self._pads)
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
         return self._processed(logits, inputs if pending else None)
 
@@ -835,12 +835,6 @@ class DecodeBatch:
             top = mx.argpartition(-row_lp, k - 1)[:k]
             kept.append((row_lp[tokens[i]], top, row_lp[top]))
         return _Step(tokens, kept)
-
-    def _row_pads(self) -> list[int] | None:
-        """The rows' paddings where the step's attention goes without the mask (see :mod:`.row_attention`)."""
-        if not any(self._pads) or self._cache[0]._idx + 1 >= row_attention.MIN_POSITIONS:
-            return list(self._pads)
-        return None
 
     def _row_kv_bytes(self) -> int:
         """Bytes of KV cache per row now (a batch's padded cache shared out evenly)."""

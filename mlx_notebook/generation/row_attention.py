@@ -1,4 +1,4 @@
-"""A batched decode step's attention row by row, where a padded batch's mask is the slow path.
+"""A batched decode step's attention in groups of rows, where a padded batch's mask is the slow path.
 
 A batch of rows of different lengths is left-padded (mlx-lm's
 ``BatchKVCache``), so its decode steps pass ``scaled_dot_product_attention``
@@ -10,17 +10,22 @@ against 0.08-0.14 ms unmasked. Once a long prompt joins short rows, every
 step pays it in each of 36 layers (a step of 7 rows of 1k and one of 8k took
 ~35 ms against ~12 ms before the join).
 
-Each row's own positions (after its padding) need no mask, so here a
-padded step's attention is one fused call per row: 0.36 ms at 8k, 0.45 ms
-at 16k for 8 rows, and the same numbers as the masked call. Eight calls
-cost more than one below ~4k positions (0.19 against 0.10 ms at 1k), so
-only longer batches go row by row. Rows of one length (no padding) need
-no mask at all: one fused call (0.04 against 0.10 ms at 1k). Only on the
-CUDA backend: Metal's fused kernel takes the mask itself.
+Rows of one padding need no mask over their own positions, so a padded
+step's attention runs as a few calls, one per group of rows: a group of
+equal paddings is one fused call over its positions, a group of different
+ones a masked call over the positions of its longest row. Which rows go
+together is chosen per batch by a cost model fitted to session 12's H200
+table (:func:`plan`): one call costs ~0.03 ms whatever it does, a masked
+call ~0.0085 ms per row and 1,000 positions on top, an unmasked one
+~0.0006. Seven rows of one length and a joined 8k prompt take two fused
+calls (~0.07 ms a layer) where one call per row took 0.36-0.45 ms and the
+masked call 0.57; rows of many lengths under ~4k positions stay one masked
+call, as before. Rows of one length (no padding) are one fused call. Only
+on the CUDA backend: Metal's fused kernel takes the mask itself.
 
 The model's module keeps mlx-lm's own function for everything else:
 :func:`install` wraps the module's ``scaled_dot_product_attention``, and the
-wrapper acts only on a cache layer that carries ``row_pads`` (set by the
+wrapper acts only on a cache layer that carries ``row_plan`` (set by the
 decode batch for its steps) and a single query position.
 
 This module never imports IPython or ipywidgets.
@@ -28,16 +33,38 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 
 from .attention_patch import route
-from .chunks import builds_kernels_per_shape
+from .chunks import KV_STEP, builds_kernels_per_shape
 
-# Positions from which a padded batch's step attends row by row (measured
-# crossover on an H200: masked 0.30 vs rows 0.26 ms at 4k, 0.17 vs 0.42 at 2k).
-MIN_POSITIONS = 4096
+# What a layer's attention costs, ms, fitted to session 12's H200 table (8 rows,
+# Qwen3-8B heads; benchmarks/results/h200_sdpa_mask_session12.jsonl): any call,
+# then per row and 1,000 positions masked, unmasked, and for gathering rows
+# that are not neighbours in the batch. They reproduce its crossover: one
+# masked call for 8 rows of different lengths up to ~4k positions, a call per
+# row beyond.
+CALL_MS = 0.03
+MASKED_MS = 0.0085
+UNMASKED_MS = 0.0006
+GATHER_MS = 0.0025
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows attended by one call: their batch indices (ascending), the first position read, and their pads."""
+
+    rows: tuple[int, ...]
+    start: int
+    pads: tuple[int, ...]
+
+    @property
+    def masked(self) -> bool:
+        return any(p != self.start for p in self.pads)
 
 
 def wanted() -> bool:
@@ -47,32 +74,103 @@ def wanted() -> bool:
 
 def install(model: Any) -> bool:
     """Wrap the attention function of ``model``'s module; return whether it has one (idempotent)."""
-    return route(model, "rows", _row_by_row)
+    return route(model, "rows", _grouped)
 
 
-def _row_by_row(
-    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
-) -> mx.array | None:
-    pads = getattr(cache, "row_pads", None)
-    if pads is None or queries.shape[2] != 1 or sinks is not None:
-        return None
+def plan(pads: list[int], positions: int) -> list[Group] | None:
+    """The cheapest split of a step's rows into calls, or ``None`` where one masked call (mlx-lm's) is it.
+
+    ``positions``: the keys each row's query sees, padding included. Rows
+    are ordered by padding and cut into runs (every best split is such a
+    run: a group's cost grows with its longest row and its spread). Made
+    again when the rows change or every ``KV_STEP`` positions: 32 rows take
+    ~1 ms of host time to plan.
+    """
+    return _plan(tuple(pads), (positions + KV_STEP - 1) // KV_STEP * KV_STEP)
+
+
+@lru_cache(maxsize=64)
+def _plan(pads: tuple[int, ...], positions: int) -> list[Group] | None:
     if not any(pads):
-        # Rows of one length: the mask hides nothing, and one fused call does it all.
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-    return mx.concatenate(
-        [
-            mx.fast.scaled_dot_product_attention(
-                queries[i : i + 1], keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:], scale=scale
-            )
-            for i, pad in enumerate(pads)
-        ]
-    )
+        return [Group(tuple(range(len(pads))), 0, tuple(pads))]
+    order = sorted(range(len(pads)), key=lambda i: pads[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for begin in range(end):
+            rows = order[begin:end]
+            cost = best[begin] + _cost(rows, pads, positions)
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    groups = []
+    end = n
+    while end:
+        rows = sorted(order[cut[end] : end])
+        groups.append(Group(tuple(rows), min(pads[i] for i in rows), tuple(pads[i] for i in rows)))
+        end = cut[end]
+    if len(groups) == 1 and groups[0].masked:
+        return None
+    return groups[::-1]
+
+
+def _cost(rows: list[int], pads: tuple[int, ...], positions: int) -> float:
+    span = (positions - min(pads[i] for i in rows)) / 1000
+    masked = any(pads[i] != pads[rows[0]] for i in rows)
+    cost = CALL_MS + (MASKED_MS if masked else UNMASKED_MS) * len(rows) * span
+    if max(rows) - min(rows) + 1 != len(rows):
+        cost += GATHER_MS * len(rows) * span
+    return cost
 
 
 def mark(cache: list[Any], pads: list[int] | None) -> None:
-    """Give every layer of a batch's cache its rows' paddings (``None``: the masked call)."""
+    """Give every layer of a batch's cache the plan of its next step (``pads=None``: the masked call).
+
+    ``pads``: the rows' paddings. A plan is made once per step for all layers.
+    """
+    apply(cache, plan(pads, cache[0]._idx + 1) if pads is not None and cache else None)
+
+
+def apply(cache: list[Any], groups: list[Group] | None) -> None:
+    """Set ``groups`` (every row once) as the plan of the next step of ``cache``; ``None``: the masked call."""
+    order = None
+    if groups is not None:
+        flat = [i for g in groups for i in g.rows]
+        if flat != sorted(flat):
+            order = mx.array([flat.index(i) for i in range(len(flat))], dtype=mx.uint32)
     for layer in cache:
-        layer.row_pads = pads
+        layer.row_plan = (groups, order) if groups is not None else None
 
 
-__all__ = ["MIN_POSITIONS", "install", "mark", "wanted"]
+def _grouped(
+    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> mx.array | None:
+    row_plan = getattr(cache, "row_plan", None)
+    if row_plan is None or queries.shape[2] != 1 or sinks is not None:
+        return None
+    groups, order = row_plan
+    outs = [_attend_group(g, queries, keys, values, scale) for g in groups]
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return out if order is None else out[order]
+
+
+def _attend_group(g: Group, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    first, last = g.rows[0], g.rows[-1]
+    if last - first + 1 == len(g.rows):
+        q, k, v = (
+            queries[first : last + 1],
+            keys[first : last + 1, :, g.start :],
+            values[first : last + 1, :, g.start :],
+        )
+    else:
+        index = mx.array(g.rows, dtype=mx.uint32)
+        q, k, v = queries[index], keys[index, :, g.start :], values[index, :, g.start :]
+    if not g.masked:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    # Row r sees its own positions: from its pad on (the group reads from its smallest).
+    offsets = mx.array([p - g.start for p in g.pads], dtype=mx.int32)
+    keep = mx.arange(k.shape[2], dtype=mx.int32)[None] >= offsets[:, None]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep[:, None, None, :])
+
+
+__all__ = ["CALL_MS", "Group", "apply", "install", "mark", "plan", "wanted"]
