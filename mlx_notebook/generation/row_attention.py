@@ -155,6 +155,8 @@ def _grouped(
 
 
 def _attend_group(g: Group, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """One group's call. A group of every row starts at 0 (the longest row has no padding): MLX's
+    cuDNN decode path takes a slice of all of a buffer's rows as read from its first position."""
     first, last = g.rows[0], g.rows[-1]
     if last - first + 1 == len(g.rows):
         q, k, v = (
