@@ -105,6 +105,40 @@ def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
     assert second.stats.batch_size == 2
 
 
+def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tiny_model, monkeypatch):
+    """The batch's joined cache is allocated a layer per checkpoint of the long prompt's prefill, and used."""
+    from mlx_notebook.generation import batch_cache
+
+    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
+    worker.prompt_cache_gb = 0
+    try:
+        alone = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=12, max_batch=1)
+        alone.result(timeout=120)
+        first_alone = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600, max_batch=1)
+        first_alone.result(timeout=120)
+        taken: list = []
+        take = batch_cache.Reserve.take
+
+        def spy(self, rows, capacity):
+            buffers = take(self, rows, capacity)
+            taken.append((len(self._shapes), None if buffers is None else len(buffers)))
+            return buffers
+
+        monkeypatch.setattr(batch_cache.Reserve, "take", spy)
+        first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600)
+        wait_tokens(first, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=12)
+        joiner.result(timeout=120)
+        first.result(timeout=120)
+    finally:
+        worker.prompt_cache_gb = 2
+    assert joiner.stats.batch_size == 2, "the long prompt never joined the decoding row"
+    # Every layer's keys and values were allocated ahead (the prefill had more checkpoints than layers).
+    assert taken and taken[0][1] == taken[0][0] > 0, taken
+    assert joiner.tokens == alone.tokens
+    assert first.tokens == first_alone.tokens  # its rows were copied into the reserved buffers
+
+
 def test_max_batch_one_runs_alone(worker, tiny_model, solo):
     gens = submit_all(worker, tiny_model, max_batch=1)
     spans: dict[int, list[float]] = {}
@@ -328,8 +362,12 @@ def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_mode
     The mask made dear, so every plan splits the rows by padding: two rows of
     each prompt make groups of two, the four lengths four calls.
     """
-    from mlx_notebook.generation import row_attention
+    import mlx_lm.models.llama as llama  # the tiny model's module
 
+    from mlx_notebook.generation import attention_patch, row_attention
+
+    # The route is installed module-wide: put mlx-lm's function back after the test.
+    monkeypatch.setattr(llama, attention_patch.NAME, getattr(llama, attention_patch.NAME))
     monkeypatch.setattr(row_attention, "wanted", lambda: True)
     monkeypatch.setattr(row_attention, "MASKED_MS", 1.0)
     row_attention._plan.cache_clear()

@@ -49,7 +49,9 @@ def merge(caches: list[Cache]) -> tuple[Cache, list[int]]:
     return merged, [top - n for n in lengths]
 
 
-def extend(batch: Cache, pads: list[int], other: Cache, other_pads: list[int]) -> list[int]:
+def extend(
+    batch: Cache, pads: list[int], other: Cache, other_pads: list[int], reserve: Reserve | None = None
+) -> list[int]:
     """Append ``other``'s rows to ``batch`` in place; return the new paddings.
 
     Both sides are right-aligned at the longer one's end, the difference added
@@ -61,16 +63,23 @@ def extend(batch: Cache, pads: list[int], other: Cache, other_pads: list[int]) -
     more. On an H200 (Qwen3-8B shape, 7 rows of 1k joined by an 8k prompt,
     7.7 GB of new KV) those were 20-28 ms of extend and ~15 ms on the first
     step, both inside the other rows' gap between two tokens.
+
+    ``reserve``: buffers allocated ahead for exactly this join, used when they
+    fit (:class:`Reserve`); else the allocation happens here.
     """
     size, other_size = batch[0]._idx, other[0]._idx
     top = max(size, other_size)
     capacity = capacity_for(top)
+    rows = len(pads) + len(other_pads)
+    buffers = reserve.take(rows, capacity) if reserve is not None else None
     for layer, extra in zip(batch, other):
         if layer.keys is None or extra.keys is None:
             layer.extend(extra)  # an empty side: nothing to copy (mlx-lm's own)
             continue
-        layer.keys = _joined(layer.keys, extra.keys, size, other_size, top, capacity)
-        layer.values = _joined(layer.values, extra.values, size, other_size, top, capacity)
+        keys_out = buffers.pop(0) if buffers else None
+        values_out = buffers.pop(0) if buffers else None
+        layer.keys = _joined(layer.keys, extra.keys, size, other_size, top, capacity, keys_out)
+        layer.values = _joined(layer.values, extra.values, size, other_size, top, capacity, values_out)
         layer.offset = mx.concatenate([layer.offset, extra.offset])
         layer.left_padding = mx.concatenate(
             [layer.left_padding + (top - size), extra.left_padding + (top - other_size)]
@@ -79,15 +88,75 @@ def extend(batch: Cache, pads: list[int], other: Cache, other_pads: list[int]) -
     return [p + top - size for p in pads] + [p + top - other_size for p in other_pads]
 
 
+class Reserve:
+    """The buffers of a batch's cache after a prompt joins, allocated ahead, a layer at a time.
+
+    The allocation is most of a join's extend when the memory is new (after
+    the prefill's ``mx.clear_cache``): on an H200, 7 rows of 512 joined by an
+    8k prompt (~10 GB of keys and values) took 18-39 ms to extend, against
+    4-5 ms into buffers allocated ahead (``benchmarks/results/
+    h200_admit_*_session19.log``). The session allocates a layer's buffers
+    at each checkpoint of the joining prompt's prefill (:meth:`advance`), so
+    the others' gaps each hold a sliver of it, not all of it in one step.
+
+    Args:
+        batch: The batch's cache now (its layers' head counts, sizes, dtype).
+        rows: Rows after the join.
+        top: Positions of the longest row after the join (the joining prompt's,
+          when it is the longest: otherwise the batch keeps growing and no
+          reservation is made).
+    """
+
+    def __init__(self, batch: Cache, rows: int, top: int) -> None:
+        self.rows = rows
+        self.capacity = capacity_for(top)
+        self._shapes = [
+            ((rows, a.shape[1], self.capacity, a.shape[3]), a.dtype)
+            for layer in batch
+            if layer.keys is not None
+            for a in (layer.keys, layer.values)
+        ]
+        self.buffers: list[mx.array] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.buffers) == len(self._shapes)
+
+    def advance(self) -> None:
+        """Allocate the next layer's keys and values (queued on the stream; nothing waits)."""
+        new = [mx.zeros(shape, dtype) for shape, dtype in self._shapes[len(self.buffers) : len(self.buffers) + 2]]
+        if new:
+            mx.async_eval(new)
+            self.buffers += new
+
+    def take(self, rows: int, capacity: int) -> list[mx.array] | None:
+        """The buffers made so far (the first layers'), handed over once, if the join is the one reserved for.
+
+        The caller's slice updates write into them in place; the layers a
+        short prefill left without buffers are allocated by the caller.
+        """
+        buffers, self.buffers = self.buffers, []
+        if rows != self.rows or capacity != self.capacity:
+            return None
+        return buffers
+
+
 def capacity_for(top: int) -> int:
     """Positions a joined cache holds when its longest row has ``top``: room for the next ``KV_STEP``."""
     return (top // KV_STEP + 1) * KV_STEP
 
 
-def _joined(a: mx.array, b: mx.array, a_size: int, b_size: int, top: int, capacity: int) -> mx.array:
-    """Rows of ``a`` then of ``b``, each's first ``*_size`` positions ending at ``top``, in a ``capacity`` buffer."""
+def _joined(
+    a: mx.array, b: mx.array, a_size: int, b_size: int, top: int, capacity: int, out: mx.array | None = None
+) -> mx.array:
+    """Rows of ``a`` then of ``b``, each's first ``*_size`` positions ending at ``top``, in a ``capacity`` buffer.
+
+    ``out``: that buffer, zeroed, when it was allocated ahead; it must have no
+    other reference, so that the slice updates write into it, not a copy.
+    """
     rows = a.shape[0]
-    out = mx.zeros((rows + b.shape[0], a.shape[1], capacity, a.shape[3]), a.dtype)
+    if out is None:
+        out = mx.zeros((rows + b.shape[0], a.shape[1], capacity, a.shape[3]), a.dtype)
     out[:rows, :, top - a_size : top, :] = a[..., :a_size, :]
     out[rows:, :, top - b_size : top, :] = b[..., :b_size, :]
     return out
@@ -135,4 +204,4 @@ def state_arrays(cache: Cache) -> list[mx.array]:
     return [a for layer in cache if layer.keys is not None for a in (layer.keys, layer.values)]
 
 
-__all__ = ["batchable", "extend", "extract", "keep_rows", "length", "merge", "state_arrays"]
+__all__ = ["Reserve", "batchable", "extend", "extract", "keep_rows", "length", "merge", "state_arrays"]

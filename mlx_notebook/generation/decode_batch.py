@@ -67,6 +67,7 @@ from ..loading.store import LoadedModel
 from . import batch_cache, row_attention
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
+from .chunks import KV_STEP
 from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
@@ -124,6 +125,8 @@ class Row:
     # Its first token's logits, when its prefill fed the last prompt token too
     # (then its cache holds it): sampled instead of a forward if it starts alone.
     first_logits: mx.array | None = None
+    # The batch's cache buffers after it joins, allocated during its prefill (see batch_cache.Reserve).
+    reserve: batch_cache.Reserve | None = None
 
     def __post_init__(self) -> None:
         self.sample = make_sampler(self.request)
@@ -237,6 +240,21 @@ class DecodeBatch:
         """Queue a prefilled row to join at the next step."""
         with self._lock:
             self._add(row)
+
+    def reserve_for(self, tokens: int) -> batch_cache.Reserve | None:
+        """Buffers for this batch's cache once a prompt of ``tokens`` joins it, to be allocated during its prefill.
+
+        Only where the prompt will be the longest row by a margin (the batch
+        grows a position a step while it prefills) and joins alone.
+        """
+        if not self.rows or self.ready or self._cache is None or not len(self._cache):
+            return None
+        top = tokens - 1  # the cache holds all but the last prompt token when it joins (_feed_last_again)
+        layer = self._cache[0]
+        positions = layer._idx if hasattr(layer, "_idx") else int(layer.offset)  # a lone row's cache is mlx-lm's own
+        if top <= positions + 2 * KV_STEP:
+            return None
+        return batch_cache.Reserve(self._cache, len(self.rows) + 1, top)
 
     def _add(self, row: Row) -> None:
         tokenizer = self.loaded.tokenizer
@@ -672,6 +690,9 @@ class DecodeBatch:
         if not self.ready:
             return
         joining, self.ready = self.ready, []
+        reserve = joining[0].reserve if len(joining) == 1 else None
+        for row in joining:
+            row.reserve = None  # a parked row must not hold the buffers
         for row in list(joining):
             token = row.pace.token
             if token.cancelled:
@@ -700,7 +721,7 @@ class DecodeBatch:
             if len(self.rows) == 1:
                 self._cache, self._pads = batch_cache.merge([self._cache])
             other, other_pads = batch_cache.merge(caches)  # type: ignore[arg-type]
-            self._pads = batch_cache.extend(self._cache, self._pads, other, other_pads)
+            self._pads = batch_cache.extend(self._cache, self._pads, other, other_pads, reserve)
         self.rows = self.rows + joining
 
     # -- the model -------------------------------------------------------------------

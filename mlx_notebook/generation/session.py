@@ -128,6 +128,8 @@ class Session:
         # When the loop's last decode step ended, and its rows: the next one is
         # timed from there if nothing else ran in between (see _timed_step).
         self._timed: tuple[float, int] | None = None
+        # The shared batch's cache after the prompt being prefilled joins, allocated a layer per checkpoint.
+        self._reserve: batch_cache.Reserve | None = None
 
     # -- the loop -----------------------------------------------------------------
 
@@ -275,12 +277,19 @@ class Session:
                 cache, cached = self._start_cache(loaded, reporter, fed, kv, pace)
                 gen.stats.cached_tokens = cached
                 prefill_start = time.perf_counter()
-                # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
-                first = prefill(
-                    loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
-                )
+                shared = self.batches.get(_SHARED)
+                self._reserve = shared.reserve_for(len(fed)) if kv.plain and shared is not None else None
+                try:
+                    # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
+                    first = prefill(
+                        loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
+                    )
+                    reserve = self._reserve
+                finally:
+                    self._reserve = None
             row = Row(reporter, pace, gen.request, prompt, cache, fed[-1], start, prefill_start)
             row.first_logits = first
+            row.reserve = reserve
             if resume is not None:
                 row.tokens = list(resume.tokens)
                 if resume.key is not None:
@@ -377,6 +386,8 @@ class Session:
         two tokens stays about one budget plus one step.
         """
         _fit_blas_threads()
+        if self._reserve is not None and not self._reserve.done:
+            self._reserve.advance()
         if not self._streaming():
             return
         batches = [b for b in self.batches.values() if b.rows]
