@@ -44,10 +44,11 @@ from .chunks import KV_STEP, builds_kernels_per_shape
 
 # What a layer's attention costs, ms, fitted to session 12's H200 table (8 rows,
 # Qwen3-8B heads; benchmarks/results/h200_sdpa_mask_session12.jsonl): any call,
-# then per row and 1,000 positions masked, unmasked, and for gathering rows
-# that are not neighbours in the batch. They reproduce its crossover: one
-# masked call for 8 rows of different lengths up to ~4k positions, a call per
-# row beyond.
+# then per row and 1,000 positions masked and unmasked. They reproduce its
+# crossover: one masked call for 8 rows of different lengths up to ~4k
+# positions, a call per row beyond. Gathering rows that are not neighbours in
+# the batch is not in the table: GATHER_MS is its memory traffic (keys and
+# values, 4 KB a row and position for those heads, read and written at ~3 TB/s).
 CALL_MS = 0.03
 MASKED_MS = 0.0085
 UNMASKED_MS = 0.0006

@@ -396,7 +396,11 @@ class Session:
             self._step()
 
     def _while_paused(self) -> None:
-        """While a prefilling generation is paused: the others' steps, or a short wait."""
+        """While a prefilling generation is paused: the others' steps, or a short wait.
+
+        Its reserved buffers go: a pause may last, and the batch may change meanwhile.
+        """
+        self._reserve = None
         self.jobs.run_inline_calls()
         for batch in self._live_batches():
             batch.poll_parked()
