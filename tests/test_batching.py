@@ -16,7 +16,7 @@ import time
 import pytest
 
 import mlx_notebook
-from testkit.waiting import assert_stays_paused, wait_prefill_chunks, wait_tokens
+from testkit.waiting import assert_stays_paused, wait_prefill_chunks, wait_state, wait_tokens
 
 # Prompts of different lengths: the batch's rows are left-padded differently.
 PROMPTS = [
@@ -137,6 +137,38 @@ def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tin
     assert taken and taken[0][1] == taken[0][0] > 0, taken
     assert joiner.tokens == alone.tokens
     assert first.tokens == first_alone.tokens  # its rows were copied into the reserved buffers
+
+
+def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, monkeypatch):
+    """A pause may last and the batch change meanwhile: the reservation is dropped, the join still exact."""
+    from mlx_notebook.generation import batch_cache
+
+    long_prompt = [(41 * i) % 250 + 20 for i in range(3500)]
+    worker.prompt_cache_gb = 0
+    try:
+        alone = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8, max_batch=1)
+        alone.result(timeout=120)
+        made: list = []
+        taken: list = []
+        init, take = batch_cache.Reserve.__init__, batch_cache.Reserve.take
+        monkeypatch.setattr(batch_cache.Reserve, "__init__", lambda self, *a: (made.append(a), init(self, *a))[1])
+        monkeypatch.setattr(batch_cache.Reserve, "take", lambda self, *a: (taken.append(a), take(self, *a))[1])
+        first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000)
+        wait_tokens(first, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8, stop_budget=0.01)
+        wait_prefill_chunks(joiner, 2)
+        joiner.pause()
+        wait_state(joiner, "paused")
+        assert not joiner.tokens and joiner.stats.prefill_chunks < 3500, "the pause did not land in the prefill"
+        joiner.resume()
+        joiner.result(timeout=120)
+        first.cancel()
+        assert first.wait(60)
+    finally:
+        worker.prompt_cache_gb = 2
+    assert made, "no reservation was made for the long prompt"
+    assert not taken, "the paused prefill kept its reservation to the join"
+    assert joiner.stats.batch_size == 2 and joiner.tokens == alone.tokens
 
 
 def test_max_batch_one_runs_alone(worker, tiny_model, solo):

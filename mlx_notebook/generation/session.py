@@ -75,14 +75,20 @@ class Jobs(Protocol):
 
 
 class _PauseHooks:
-    """What a pause of a prefilling generation does: drain the stream, report ``paused``."""
+    """What a pause of a prefilling generation does: let go of what it holds for later, drain the stream, report ``paused``.
 
-    def __init__(self, reporter: Reporter, stream: mx.Stream) -> None:
+    ``release``: called first; the session drops the buffers reserved for the
+    prompt's join (a pause may last, and the batch may change meanwhile).
+    """
+
+    def __init__(self, reporter: Reporter, stream: mx.Stream, release: Callable[[], None]) -> None:
         self._reporter = reporter
         self._stream = stream
+        self._release = release
         self._before = State.LOADING
 
     def on_pause(self) -> None:
+        self._release()
         mx.synchronize(self._stream)
         self._before = self._reporter.state
         self._reporter.set_state(State.PAUSED)
@@ -235,7 +241,7 @@ class Session:
             self._end(reporter, State.STOPPED, None)
             return
         self.running.append(reporter)
-        hooks = _PauseHooks(reporter, self.stream)
+        hooks = _PauseHooks(reporter, self.stream, release=self._drop_reserve)
         pace = Pace(
             gen.token,
             gen.request.stop_budget,
@@ -395,12 +401,11 @@ class Session:
         if time.perf_counter() - min(b.last_step_at for b in batches) >= budget * OTHERS_STEP_SHARE:
             self._step()
 
-    def _while_paused(self) -> None:
-        """While a prefilling generation is paused: the others' steps, or a short wait.
-
-        Its reserved buffers go: a pause may last, and the batch may change meanwhile.
-        """
+    def _drop_reserve(self) -> None:
         self._reserve = None
+
+    def _while_paused(self) -> None:
+        """While a prefilling generation is paused: the others' steps, or a short wait."""
         self.jobs.run_inline_calls()
         for batch in self._live_batches():
             batch.poll_parked()
