@@ -105,26 +105,46 @@ def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
     assert second.stats.batch_size == 2
 
 
-def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tiny_model, monkeypatch):
-    """The batch's joined cache is allocated a layer per checkpoint of the long prompt's prefill, and used."""
+@pytest.fixture
+def reserves(monkeypatch):
+    """What the session reserved for joins: ``made`` (each reservation's arguments) and ``taken``
+    (at each join: the layers' keys and values reserved, and how many buffers came back, ``None``: unfit)."""
     from mlx_notebook.generation import batch_cache
 
+    made: list = []
+    taken: list = []
+    init, take = batch_cache.Reserve.__init__, batch_cache.Reserve.take
+
+    def spy_init(self, *args):
+        made.append(args)
+        init(self, *args)
+
+    def spy_take(self, rows, capacity):
+        buffers = take(self, rows, capacity)
+        taken.append((len(self._shapes), None if buffers is None else len(buffers)))
+        return buffers
+
+    monkeypatch.setattr(batch_cache.Reserve, "__init__", spy_init)
+    monkeypatch.setattr(batch_cache.Reserve, "take", spy_take)
+    return made, taken
+
+
+def _alone(worker, model, prompt, max_tokens):
+    """Tokens of ``prompt`` run alone (max_batch=1)."""
+    gen = mlx_notebook.generate(prompt, model=model, worker=worker, max_tokens=max_tokens, max_batch=1)
+    gen.result(timeout=120)
+    return gen.tokens
+
+
+def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tiny_model, reserves):
+    """The batch's joined cache is allocated a layer per checkpoint of the long prompt's prefill, and used."""
+    _, taken = reserves
     long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
     worker.prompt_cache_gb = 0
     try:
-        alone = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=12, max_batch=1)
-        alone.result(timeout=120)
-        first_alone = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600, max_batch=1)
-        first_alone.result(timeout=120)
-        taken: list = []
-        take = batch_cache.Reserve.take
-
-        def spy(self, rows, capacity):
-            buffers = take(self, rows, capacity)
-            taken.append((len(self._shapes), None if buffers is None else len(buffers)))
-            return buffers
-
-        monkeypatch.setattr(batch_cache.Reserve, "take", spy)
+        alone = _alone(worker, tiny_model, long_prompt, 12)
+        first_alone = _alone(worker, tiny_model, PROMPTS[0], 600)
+        taken.clear()
         first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600)
         wait_tokens(first, 5)
         joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=12)
@@ -135,24 +155,17 @@ def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tin
     assert joiner.stats.batch_size == 2, "the long prompt never joined the decoding row"
     # Every layer's keys and values were allocated ahead (the prefill had more checkpoints than layers).
     assert taken and taken[0][1] == taken[0][0] > 0, taken
-    assert joiner.tokens == alone.tokens
-    assert first.tokens == first_alone.tokens  # its rows were copied into the reserved buffers
+    assert joiner.tokens == alone
+    assert first.tokens == first_alone  # its rows were copied into the reserved buffers
 
 
-def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, monkeypatch):
+def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, reserves):
     """A pause may last and the batch change meanwhile: the reservation is dropped, the join still exact."""
-    from mlx_notebook.generation import batch_cache
-
+    made, taken = reserves
     long_prompt = [(41 * i) % 250 + 20 for i in range(3500)]
     worker.prompt_cache_gb = 0
     try:
-        alone = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8, max_batch=1)
-        alone.result(timeout=120)
-        made: list = []
-        taken: list = []
-        init, take = batch_cache.Reserve.__init__, batch_cache.Reserve.take
-        monkeypatch.setattr(batch_cache.Reserve, "__init__", lambda self, *a: (made.append(a), init(self, *a))[1])
-        monkeypatch.setattr(batch_cache.Reserve, "take", lambda self, *a: (taken.append(a), take(self, *a))[1])
+        alone = _alone(worker, tiny_model, long_prompt, 8)
         first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000)
         wait_tokens(first, 5)
         joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8, stop_budget=0.01)
@@ -168,7 +181,7 @@ def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker
         worker.prompt_cache_gb = 2
     assert made, "no reservation was made for the long prompt"
     assert not taken, "the paused prefill kept its reservation to the join"
-    assert joiner.stats.batch_size == 2 and joiner.tokens == alone.tokens
+    assert joiner.stats.batch_size == 2 and joiner.tokens == alone
 
 
 def test_max_batch_one_runs_alone(worker, tiny_model, solo):

@@ -251,7 +251,8 @@ class DecodeBatch:
             return None
         top = tokens - 1  # the cache holds all but the last prompt token when it joins (_feed_last_again)
         layer = self._cache[0]
-        positions = layer._idx if hasattr(layer, "_idx") else int(layer.offset)  # a lone row's cache is mlx-lm's own
+        # A lone row's cache is mlx-lm's own (no _idx).
+        positions = layer._idx if hasattr(layer, "_idx") else batch_cache.length(self._cache)
         if top <= positions + 2 * KV_STEP:
             return None
         return batch_cache.Reserve(self._cache, len(self.rows) + 1, top)
