@@ -432,6 +432,33 @@ def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_mode
         row_attention._plan.cache_clear()
 
 
+def test_decode_buffers_laid_out_for_cuda_attention_give_the_solo_tokens(tiny_model, solo, monkeypatch):
+    """Buffers off the grid, then on it past a (lowered) fused length, leave every row's tokens as they were.
+
+    CUDA's layout (kv_capacity) forced on the CPU: rows join, leave and cross
+    the fused length while decoding, so buffers are laid out again mid-batch.
+    """
+    from mlx_notebook.generation import kv_capacity
+
+    monkeypatch.setattr(kv_capacity, "_per_shape", lambda per_shape: True)
+    # The longest prompt is 81 tokens in the tiny model's template: its rows cross 90 while they decode.
+    monkeypatch.setattr(kv_capacity, "FUSED_FROM", 90)
+    sizes: list[int] = []
+    capacity = kv_capacity.capacity
+    monkeypatch.setattr(kv_capacity, "capacity", lambda needed, **kw: sizes.append(capacity(needed, **kw)) or sizes[-1])
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        gens = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=24) for p in PROMPTS + PROMPTS]
+        for gen in gens:
+            gen.result(timeout=120)
+        assert {n % 256 != 0 for n in sizes} == {True, False}, sizes
+        for prompt, gen in zip(PROMPTS + PROMPTS, gens):
+            assert gen.tokens == solo[prompt, None], prompt
+        assert max(g.stats.batch_size for g in gens) > 1
+    finally:
+        worker.shutdown()
+
+
 def test_batch_off_by_override(tiny_model, monkeypatch):
     monkeypatch.setenv("MLX_NOTEBOOK_BATCH", "0")
     worker = mlx_notebook.Worker(prompt_cache_gb=0)

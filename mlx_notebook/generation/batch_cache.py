@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .chunks import KV_STEP
+from . import kv_capacity
 
 Cache = list[Any]
 # mlx-lm is imported inside the functions: importing it takes ~1.3 s
@@ -57,7 +57,7 @@ def extend(
     Both sides are right-aligned at the longer one's end, the difference added
     to the shorter side's padding, as ``BatchKVCache.extend`` does. Unlike it,
     each layer's keys and values are built in one allocation, with room for
-    the next ``KV_STEP`` tokens: mlx-lm's ``extend`` pads both sides (two
+    the next steps (:func:`capacity_for`): mlx-lm's ``extend`` pads both sides (two
     copies) and then concatenates them (a third), and leaves no room, so the
     first decode step after it grew the cache again, copying every row once
     more. On an H200 (Qwen3-8B shape, 7 rows of 1k joined by an 8k prompt,
@@ -142,8 +142,12 @@ class Reserve:
 
 
 def capacity_for(top: int) -> int:
-    """Positions a joined cache holds when its longest row has ``top``: room for the next ``KV_STEP``."""
-    return (top // KV_STEP + 1) * KV_STEP
+    """Positions a joined cache holds when its longest row has ``top``: room for the next step at least.
+
+    Laid out for the device's decode attention (:func:`.kv_capacity.capacity`):
+    on the CPU the next multiple of mlx-lm's ``KVCache.step``, as mlx-lm grows it.
+    """
+    return kv_capacity.capacity(top + 1)
 
 
 def _joined(

@@ -64,10 +64,10 @@ import mlx.nn as nn
 from ..control import Pace
 from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel
-from . import batch_cache, row_attention
+from . import batch_cache, kv_capacity, row_attention
 from .batch_cache import Cache
 from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
-from .chunks import KV_STEP
+from .chunks import KV_STEP, builds_kernels_per_shape
 from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs
 from .kv_settings import KVSettings, cache_nbytes
@@ -223,6 +223,8 @@ class DecodeBatch:
         # When the last step's tokens were read (time.perf_counter).
         self.last_step_at = 0.0
         self._row_attention = row_attention.wanted() and row_attention.install(self.model)
+        # Decode buffers laid out for the device's attention kernels (see kv_capacity).
+        self._per_shape = builds_kernels_per_shape()
         # The module whose layers a step goes through, for steps in groups of layers (found at the first).
         self._owner: nn.Module | None = None
         self._owner_found = False
@@ -807,6 +809,7 @@ class DecodeBatch:
             self.rows[0].kv.quantize(self._cache)
         elif self._row_attention:
             row_attention.mark(self._cache, self._pads)
+        kv_capacity.make_room(self._cache, 1, per_shape=self._per_shape)
         logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
         return self._processed(logits, inputs if pending else None)
 
