@@ -433,19 +433,20 @@ def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_mode
 
 
 def test_decode_buffers_laid_out_for_cuda_attention_give_the_solo_tokens(tiny_model, solo, monkeypatch):
-    """Buffers off the grid, then on it past a (lowered) fused length, leave every row's tokens as they were.
+    """Buffers off the grid, then on it past the (lowered) vector kernel's share, leave every row's tokens as they were.
 
     CUDA's layout (kv_capacity) forced on the CPU: rows join, leave and cross
-    the fused length while decoding, so buffers are laid out again mid-batch.
+    the vector kernel's share while decoding, so buffers are laid out again mid-batch.
     """
     from mlx_notebook.generation import kv_capacity
 
     monkeypatch.setattr(kv_capacity, "_per_shape", lambda per_shape: True)
-    # The longest prompt is 81 tokens in the tiny model's template: its rows cross 90 while they decode.
-    monkeypatch.setattr(kv_capacity, "FUSED_FROM", 90)
+    # The longest prompt is 81 tokens in the tiny model's template: 8 rows padded to it start at 8 x 82
+    # row-positions, below this share, and cross it 6 tokens later.
+    monkeypatch.setattr(kv_capacity, "VECTOR_BELOW", 700)
     sizes: list[int] = []
     capacity = kv_capacity.capacity
-    monkeypatch.setattr(kv_capacity, "capacity", lambda needed, **kw: sizes.append(capacity(needed, **kw)) or sizes[-1])
+    monkeypatch.setattr(kv_capacity, "capacity", lambda *a, **kw: sizes.append(capacity(*a, **kw)) or sizes[-1])
     worker = mlx_notebook.Worker(prompt_cache_gb=0)
     try:
         gens = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=24) for p in PROMPTS + PROMPTS]

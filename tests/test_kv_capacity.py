@@ -11,32 +11,47 @@ from mlx_notebook.generation.chunks import KV_STEP
 
 pytestmark = pytest.mark.unit
 
-FUSED = kv_capacity.FUSED_FROM
+VECTOR = kv_capacity.VECTOR_BELOW
 
 
-@pytest.mark.parametrize("needed", [1, 255, 256, 257, 5000, FUSED - 1])
-def test_below_the_fused_length_a_buffer_is_off_the_grid_and_holds_what_is_needed(needed: int) -> None:
-    length = kv_capacity.capacity(needed, per_shape=True)
-    assert length >= needed + KV_STEP and length % KV_STEP != 0
-    assert kv_capacity.fits(length, needed, per_shape=True)
-    # Grown by an eighth at least: one copy per eighth, not per KV_STEP.
-    assert length >= needed + needed // kv_capacity.GROWTH
+def test_the_ladder_has_four_rungs_per_doubling_on_the_grid() -> None:
+    rungs = sorted({kv_capacity.rung(n) for n in range(1, 70_000)})
+    assert rungs[:6] == [256, 512, 768, 1024, 1280, 1536]
+    assert [r for r in rungs if 4096 <= r <= 8192] == [4096, 5120, 6144, 7168, 8192]
+    assert all(r % KV_STEP == 0 for r in rungs)
+    assert all(b <= 1.25 * a for a, b in zip(rungs[3:], rungs[4:]))  # at most a quarter more than needed
+    assert all(kv_capacity.rung(r) == r and kv_capacity.rung(r + 1) > r for r in rungs)
 
 
-@pytest.mark.parametrize("needed", [FUSED, FUSED + 1, 32768, 100_000])
-def test_from_the_fused_length_a_buffer_is_on_the_grid_and_grows_by_an_eighth(needed: int) -> None:
-    length = kv_capacity.capacity(needed, per_shape=True)
-    assert length % KV_STEP == 0 and length >= needed + needed // kv_capacity.GROWTH
-    assert length < needed + needed // kv_capacity.GROWTH + KV_STEP
-    assert kv_capacity.fits(length, needed, per_shape=True)
-    # An off-grid buffer that crosses the fused length is laid out again (once), and back.
-    assert not kv_capacity.fits(kv_capacity.capacity(FUSED - 1, per_shape=True), needed, per_shape=True)
-    assert not kv_capacity.fits(length, FUSED - 1, per_shape=True)
+@pytest.mark.parametrize(("needed", "rows"), [(1, 1), (256, 1), (257, 1), (5000, 1), (VECTOR - 1, 1), (1000, 8)])
+def test_small_buffers_are_off_the_grid_for_the_vector_kernel(needed: int, rows: int) -> None:
+    length = kv_capacity.capacity(needed, rows, per_shape=True)
+    assert length >= needed and length % KV_STEP != 0
+    assert kv_capacity.fits(length, needed, rows, per_shape=True)
+    assert not kv_capacity.fits(kv_capacity.rung(needed), needed, rows, per_shape=True)  # mlx-lm's grid length
 
 
-@pytest.mark.parametrize("needed", [1, 256, 257, FUSED + 3])
+@pytest.mark.parametrize(("needed", "rows"), [(VECTOR, 1), (32768, 1), (100_000, 1), (1024, 8), (8192, 8)])
+def test_large_buffers_are_rungs_on_the_grid_for_cudnn(needed: int, rows: int) -> None:
+    length = kv_capacity.capacity(needed, rows, per_shape=True)
+    assert length == kv_capacity.rung(needed) and length % KV_STEP == 0
+    assert kv_capacity.fits(length, needed, rows, per_shape=True)
+
+
+def test_a_buffer_is_laid_out_again_when_its_kind_or_rung_is_wrong() -> None:
+    # What a prefill leaves on the grid, off the ladder (17 x 256): it would build a graph of its own.
+    assert kv_capacity.rung(4352) != 4352
+    assert not kv_capacity.fits(4352, 4300, 8, per_shape=True)
+    # Laid out for one row's vector kernel, then joined by seven more rows: cuDNN's rung now.
+    one = kv_capacity.capacity(1024, 1, per_shape=True)
+    assert not kv_capacity.fits(one, 1024, 8, per_shape=True)
+    # And back when the rows leave.
+    assert not kv_capacity.fits(kv_capacity.capacity(1024, 8, per_shape=True), 1024, 1, per_shape=True)
+
+
+@pytest.mark.parametrize("needed", [1, 256, 257, 40_000])
 def test_without_per_shape_builds_buffers_grow_as_mlx_lm_grows_them(needed: int) -> None:
-    assert kv_capacity.capacity(needed, per_shape=False) == (needed + KV_STEP - 1) // KV_STEP * KV_STEP
+    assert kv_capacity.capacity(needed, 4, per_shape=False) == (needed + KV_STEP - 1) // KV_STEP * KV_STEP
     assert kv_capacity.fits(needed, needed, per_shape=False)
     assert not kv_capacity.fits(needed - 1, needed, per_shape=False)
 
@@ -55,7 +70,7 @@ def test_make_room_lays_out_a_plain_cache_and_keeps_every_position() -> None:
     assert cache.keys.shape[2] % KV_STEP == 0  # as mlx-lm grew it
     kv_capacity.make_room([cache], 1, per_shape=True)
     length = cache.keys.shape[2]
-    assert length == kv_capacity.capacity(301, per_shape=True) and length % KV_STEP != 0
+    assert length == kv_capacity.capacity(301, 1, per_shape=True) and length % KV_STEP != 0
     keys, vals = cache.update_and_fetch(values[..., :1, :], values[..., :1, :])
     assert cache.keys.shape[2] == length  # mlx-lm found room: no growth of its own
     assert mx.array_equal(keys[..., :300, :], values) and mx.array_equal(vals[..., :300, :], -values)
@@ -70,7 +85,7 @@ def test_make_room_lays_out_a_batch_cache_by_its_written_positions() -> None:
     rows = mx.arange(2 * 2 * 40 * 4, dtype=mx.float32).reshape(2, 2, 40, 4)
     batch.update_and_fetch(rows, rows + 1)
     kv_capacity.make_room([batch], 1, per_shape=True)
-    assert batch.keys.shape[2] == kv_capacity.capacity(41, per_shape=True)
+    assert batch.keys.shape[2] == kv_capacity.capacity(41, 2, per_shape=True)
     assert mx.array_equal(batch.keys[..., :40, :], rows) and mx.array_equal(batch.values[..., :40, :], rows + 1)
 
 

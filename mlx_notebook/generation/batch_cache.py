@@ -69,8 +69,8 @@ def extend(
     """
     size, other_size = batch[0]._idx, other[0]._idx
     top = max(size, other_size)
-    capacity = capacity_for(top)
     rows = len(pads) + len(other_pads)
+    capacity = capacity_for(top, rows)
     buffers = reserve.take(rows, capacity) if reserve is not None else None
     for layer, extra in zip(batch, other):
         if layer.keys is None or extra.keys is None:
@@ -109,7 +109,7 @@ class Reserve:
 
     def __init__(self, batch: Cache, rows: int, top: int) -> None:
         self.rows = rows
-        self.capacity = capacity_for(top)
+        self.capacity = capacity_for(top, rows)
         self._shapes = [
             ((rows, a.shape[1], self.capacity, a.shape[3]), a.dtype)
             for layer in batch
@@ -141,13 +141,13 @@ class Reserve:
         return buffers
 
 
-def capacity_for(top: int) -> int:
-    """Positions a joined cache holds when its longest row has ``top``: room for the next step at least.
+def capacity_for(top: int, rows: int) -> int:
+    """Positions a joined cache of ``rows`` rows holds when its longest has ``top``: room for a step at least.
 
     Laid out for the device's decode attention (:func:`.kv_capacity.capacity`):
     on the CPU the next multiple of mlx-lm's ``KVCache.step``, as mlx-lm grows it.
     """
-    return kv_capacity.capacity(top + 1)
+    return kv_capacity.capacity(top + 1, rows)
 
 
 def _joined(

@@ -3,21 +3,26 @@
 MLX 0.32's CUDA backend runs a one-token query through cuDNN only when the
 keys are a slice of a buffer whose length is a multiple of 256 (mlx-lm's
 ``KVCache.step``), and builds a cuDNN graph for every (rows, buffer length)
-it meets: 72-90 ms each on an H200, Qwen3-8B shape, inside the step that
-meets it (736 ms for a process's first). mlx-lm grows its buffers 256
-positions at a time, so a fresh process's generation stalled once every 256
-tokens, and a batch once more whenever its rows changed
-(``benchmarks/results/h200_decode_kernel_session20.log``). Any other buffer
-length takes MLX's vector kernel, which builds nothing per length. Measured
-in the same process (1 row / 8 rows, synchronized steps, medians): at 1k
-positions 9.4 against 9.7 ms / 17.4 against 20.5 ms (vector / cuDNN); at 8k
-~12.6 against ~12.2 ms / 22.2 against 20.5 ms; at 32k 17.6 against 11 ms.
+it meets, inside the step that meets it: 70-90 ms, at times 680-770 ms, on
+an H200 (Qwen3-8B shape). mlx-lm grows its buffers 256 positions at a time,
+so a fresh process's generation stalled at every 256th token (positions
+512, 768, 1024, 1280: 769, 680, 79, 81 ms against 8-12 ms steps), and a
+batch again whenever its rows changed. Any other buffer length takes MLX's
+vector kernel, which builds nothing. Its speed against cuDNN's, 36 calls (a
+step's worth), Qwen3-8B heads: 1 row at 1k / 4k / 8k / 32k positions 0.88 /
+1.60 / 2.22 / 6.15 ms against 1.19 / 1.50 / 1.52 / 1.83 ms; 8 rows at 1k /
+4k / 8k 2.06 / 6.69 / 11.7 ms against 1.89 / 2.74 / 3.57 ms
+(``benchmarks/results/h200_kernel_ab_qwen3-8b_session20.log``). So the
+vector kernel costs about as much as the keys it reads, and cuDNN little
+more at 32k than at 1k.
 
-So on CUDA a decode buffer below :data:`FUSED_FROM` positions is given a
-length off that grid (vector kernel, no build ever), and one at or above it
-a length on the grid that grows by an eighth at a time (cuDNN's speed at
-long context, a build per eighth instead of per 256 positions). Elsewhere
-(the CPU, Metal) buffers stay as mlx-lm makes them.
+So on CUDA a buffer whose rows times positions stay below
+:data:`VECTOR_BELOW` gets a length off the 256 grid (the vector kernel,
+never a build; at most ~0.7 ms a step slower, at 8k positions, 1 row), and
+a larger one a length from a fixed ladder on the grid (:func:`rung`: four
+rungs per doubling), so a generation builds a graph per rung, not per 256
+positions, and later generations of the process find the rungs built.
+Elsewhere (the CPU, Metal) buffers grow as mlx-lm grows them.
 
 This module never imports IPython or ipywidgets.
 """
@@ -28,34 +33,42 @@ from typing import Any
 
 from .chunks import KV_STEP, builds_kernels_per_shape
 
-# Positions from which cuDNN's decode attention is worth a graph per buffer length (see the module docstring).
-FUSED_FROM = 16384
-# Added to a grid length to take it off the grid: any length not a multiple of KV_STEP would do.
+# Rows x positions below which a decode buffer is laid out for the vector kernel (see the module docstring).
+VECTOR_BELOW = 8192
+# Added to a rung to take it off the grid: any length not a multiple of KV_STEP would do.
 OFF_GRID = 8
-# A buffer grows by this share of what it holds (at least KV_STEP): on the grid, one graph build per share;
-# off it, one copy per share instead of one per KV_STEP.
-GROWTH = 8
 
 
-def capacity(needed: int, *, per_shape: bool | None = None) -> int:
-    """Positions to allocate for a decode buffer that must hold ``needed``.
+def rung(n: int) -> int:
+    """The smallest ladder length >= ``n``: multiples of ``KV_STEP`` up to 1,024, then 4 rungs per doubling."""
+    step = max(KV_STEP, 1 << max(0, (n - 1).bit_length() - 3))
+    return max(KV_STEP, (n + step - 1) // step * step)
+
+
+def capacity(needed: int, rows: int = 1, *, per_shape: bool | None = None) -> int:
+    """Positions to allocate for a decode buffer of ``rows`` rows that must hold ``needed``.
 
     ``per_shape``: whether the device builds attention graphs per shape
     (default: :func:`~.chunks.builds_kernels_per_shape`).
     """
     if not _per_shape(per_shape):
-        return _on_grid(needed)
-    grown = needed + max(KV_STEP, needed // GROWTH)
-    return _on_grid(grown) + OFF_GRID if needed < FUSED_FROM else _on_grid(grown)
+        return (needed + KV_STEP - 1) // KV_STEP * KV_STEP
+    return rung(needed) + OFF_GRID if rows * needed < VECTOR_BELOW else rung(needed)
 
 
-def fits(length: int, needed: int, *, per_shape: bool | None = None) -> bool:
-    """Whether a buffer of ``length`` positions serves ``needed`` as :func:`capacity` would lay it out."""
+def fits(length: int, needed: int, rows: int = 1, *, per_shape: bool | None = None) -> bool:
+    """Whether a buffer of ``length`` positions serves ``needed`` as :func:`capacity` lays it out.
+
+    Off the grid any length that holds ``needed`` will do (nothing is built
+    per length); on it, only a rung.
+    """
     if length < needed:
         return False
     if not _per_shape(per_shape):
         return True
-    return (length % KV_STEP != 0) == (needed < FUSED_FROM)
+    if rows * needed < VECTOR_BELOW:
+        return length % KV_STEP != 0
+    return rung(length) == length
 
 
 def make_room(cache: list[Any], n: int, *, per_shape: bool | None = None) -> None:
@@ -76,22 +89,18 @@ def make_room(cache: list[Any], n: int, *, per_shape: bool | None = None) -> Non
         if (kind is not KVCache and kind is not BatchKVCache) or layer.keys is None:
             continue
         used = layer._idx if kind is BatchKVCache else layer.offset
-        needed = used + n
-        if fits(layer.keys.shape[2], needed, per_shape=True):
+        rows = layer.keys.shape[0]
+        if fits(layer.keys.shape[2], used + n, rows, per_shape=True):
             continue
-        length = capacity(needed, per_shape=True)
+        length = capacity(used + n, rows, per_shape=True)
         layer.keys, layer.values = (
             mx.concatenate([a[..., :used, :], mx.zeros((*a.shape[:2], length - used, a.shape[3]), a.dtype)], axis=2)
             for a in (layer.keys, layer.values)
         )
 
 
-def _on_grid(n: int) -> int:
-    return (n + KV_STEP - 1) // KV_STEP * KV_STEP
-
-
 def _per_shape(per_shape: bool | None) -> bool:
     return builds_kernels_per_shape() if per_shape is None else per_shape
 
 
-__all__ = ["FUSED_FROM", "capacity", "fits", "make_room"]
+__all__ = ["VECTOR_BELOW", "capacity", "fits", "make_room", "rung"]
