@@ -76,6 +76,32 @@ def test_restart_leaves_the_last_state_and_the_text(model_name: str, format: str
         session.close()
 
 
+@pytest.mark.kernel
+def test_a_restart_right_after_an_interrupt_says_the_kernel_restarted(model_name: str) -> None:
+    """jupyter_client interrupts a kernel before it asks it to shut down ("Restart Kernel").
+
+    The interrupt's stop ending the view first is the race a loaded machine
+    hit (2 restarts in 12); here it is made certain by waiting for that stop.
+    """
+    session = start_kernel(model_name)
+    try:
+        reply = session.execute(f"%%mlxgen -n {LONG_TOKENS} -o g\n{PROMPT}")
+        assert reply.ok, reply.content
+        wait_decoding(session, reply.msg_id, tokens=3)
+        session.km.interrupt_kernel()
+        session.wait_until(lambda: view(session, reply.msg_id).get("status", "").startswith("#1 stopped"), 30)
+        assert "kernel restarted" not in view(session, reply.msg_id)["status"]  # the interrupt alone
+        old = session.process
+        session.km.restart_kernel(now=False)  # interrupts (nothing left to stop), then shuts down
+        assert old.wait(timeout=10) == 0, "the old kernel did not exit cleanly"
+        session.wait_until(lambda: "kernel restarted" in view(session, reply.msg_id).get("status", ""), 10)
+        assert view(session, reply.msg_id)["status"].startswith("#1 stopped: kernel restarted · ")
+        final = _final_display(session, reply.msg_id)["data"]
+        assert "[mlxgen #1 stopped: kernel restarted" in final["text/plain"]
+    finally:
+        session.close()
+
+
 def test_interrupt_is_one_line(kernel: KernelSession) -> None:
     cell = kernel.start(f"%%mlxgen -n {LONG_TOKENS} --wait -o cut\n{PROMPT}")
     wait_decoding(kernel, cell)

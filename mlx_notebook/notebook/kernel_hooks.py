@@ -66,6 +66,8 @@ class LiveViews(Protocol):
 
     def end_all(self, reason: str, *, now: bool = False) -> list[Any]: ...
 
+    def end_again(self, generations: list[Any], reason: str) -> list[Any]: ...
+
 
 _STOP, _QUIT = b"s", b"q"  # bytes the SIGINT handler and uninstall send the helper thread
 # Seconds a shutdown waits for the current piece of work: pieces are sized to
@@ -74,6 +76,10 @@ SHUTDOWN_DRAIN_S = 2.0
 # Seconds the exit waits for ipykernel's control thread to end after a shutdown
 # request; it normally ends within milliseconds.
 CONTROL_FINISH_S = 1.0
+# Seconds within which a shutdown after an idle interrupt is taken as that
+# interrupt's reason: jupyter_client interrupts a kernel right before it asks
+# it to shut down, and a loaded machine may take seconds between the two.
+INTERRUPT_THEN_SHUTDOWN_S = 5.0
 
 
 def wait_for(gen: Generation, *, poll_s: float = 0.05, interrupted: bool = False) -> None:
@@ -224,6 +230,8 @@ class KernelHooks:
         self.worker = worker
         self.drain_timeout = drain_timeout
         self.views = views
+        # When an idle interrupt last stopped generations, and which (see stop_worker).
+        self._interrupted: tuple[float, list[Generation]] = (0.0, [])
         self.installed = False
         self.kernel = getattr(shell, "kernel", None)
         self._previous_idle: SignalHandler = None
@@ -340,6 +348,7 @@ class KernelHooks:
         stopped = routing.cancel_all(worker)
         if stopped:
             log.info("interrupt while idle: stopping %s", ", ".join(f"#{g.id}" for g in stopped))
+            self._interrupted = (time.monotonic(), stopped)
         return stopped
 
     def _delegate(self, signum: int, frame: FrameType | None) -> None:
@@ -403,6 +412,13 @@ class KernelHooks:
             if not ok:
                 log.warning("mlx-notebook: the worker did not stop within %.1f s", self.drain_timeout)
         self._end_views(reason, now=True)
+        (at, interrupted), self._interrupted = self._interrupted, (0.0, [])  # told once: not again at exit
+        if interrupted and time.monotonic() - at <= INTERRUPT_THEN_SHUTDOWN_S and self.views is not None:
+            # Stopped by the interrupt a client sends before its shutdown request: say why.
+            try:
+                self.views.end_again(interrupted, reason)
+            except Exception:  # shutting down: a display error must not stop the exit
+                log.exception("mlx-notebook: updating the displays at shutdown failed")
         return ok
 
     def _end_views(self, reason: str, *, now: bool) -> None:

