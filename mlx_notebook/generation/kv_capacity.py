@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chunks import KV_STEP, builds_kernels_per_shape
+import mlx.core as mx
+
+from .chunks import KV_STEP, builds_kernels_per_shape, with_room
 
 # Rows x positions below which a decode buffer is laid out for the vector kernel (see the module docstring).
 VECTOR_BELOW = 8192
@@ -52,7 +54,7 @@ def capacity(needed: int, rows: int = 1, *, per_shape: bool | None = None) -> in
     (default: :func:`~.chunks.builds_kernels_per_shape`).
     """
     if not _per_shape(per_shape):
-        return (needed + KV_STEP - 1) // KV_STEP * KV_STEP
+        return with_room(needed, 0)
     return rung(needed) + OFF_GRID if rows * needed < VECTOR_BELOW else rung(needed)
 
 
@@ -81,8 +83,7 @@ def make_room(cache: list[Any], n: int, *, per_shape: bool | None = None) -> Non
     """
     if not _per_shape(per_shape):
         return
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, KVCache
+    from mlx_lm.models.cache import BatchKVCache, KVCache  # imported here: mlx-lm takes ~1.3 s to import
 
     for layer in cache:
         kind = type(layer)
