@@ -5,13 +5,23 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import statistics
+
 import mlx.core as mx
 
-from .fit import linear_fit
+from .fit import nonnegative_fit
 
 MAX_PREFILL_CHUNK = 2048  # a power of two (see ChunkPlanner)
 FIRST_PREFILL_CHUNK = 8
 KV_STEP = 256  # mlx-lm's KVCache.step
+# Recent chunks the cost is fitted to.
+FIT_WINDOW = 8
+# A chunk over this many times the fit of the others is a preemption, left out of the fit.
+SPIKE = 1.8
+# Where no token fits the target: a chunk's tokens cost this many times its fixed part.
+BALANCE = 1.0
+# The last two chunks both off the fit by this factor: the device changed, and only they are kept.
+SHIFT = 2.0
 
 
 def with_room(n: int, room: int) -> int:
@@ -26,12 +36,19 @@ def builds_kernels_per_shape() -> bool:
 
 
 class ChunkPlanner:
-    """Sizes prefill chunks from an affine cost model, ``t = fixed + n * per_token``.
+    """Sizes prefill chunks from a cost model fitted to the recent chunks.
 
-    A plain per-token rate fails on accelerators: a chunk of 8 tokens costs
-    about as much as one of 200 (reading the weights dominates), so the rate
-    of a small chunk predicts tiny chunks forever. Fitting a fixed cost plus a
-    per-token cost over the recent chunks lets the size grow to what fits.
+    The model is ``t = fixed + n * (per_token + per_context * position)``,
+    each part >= 0 (:func:`~.fit.nonnegative_fit`, by relative error). A plain
+    per-token rate fails on accelerators: a chunk of 8 tokens costs about as
+    much as one of 200 (reading the weights dominates), so the rate of a small
+    chunk predicts tiny chunks forever; the fixed part lets the size grow to
+    what fits. The context part follows attention, which makes a token at 16k
+    cost many times one at 0 (an affine fit lagged it, and late chunks ran past
+    the budget). Preemptions (a chunk over :data:`SPIKE` x the fit of the
+    others) are left out; two surprises the same way mean load came or went,
+    and the fit restarts from them (a lower-envelope fit had cut chunks to
+    6-21 tokens at load ~11 on 2 cores: 122 s for a prefill of 14 s quiet).
 
     Chunks of 256 tokens or more end on multiples of mlx-lm's ``KVCache``
     allocation step: the cache slices and copies itself when a chunk ends off
@@ -64,10 +81,18 @@ class ChunkPlanner:
         self, cost: tuple[float, float] | None = None, shapes_seen: set[tuple[int, int]] | None = None
     ) -> None:
         self.cost: tuple[float, float] | None = (cost[0], cost[1]) if cost is not None else None
+        self.per_context = 0.0  # seconds a token costs more per position of context before it
         self.shapes_seen = shapes_seen
-        self._samples: list[tuple[float, float]] = []
+        self._samples: list[tuple[int, int, float]] = []  # (n, start, seconds)
         self._last = 0
         self._grow_blind = False
+
+    def predict(self, n: int, start: int) -> float | None:
+        """Seconds the fitted cost gives a chunk of ``n`` tokens from ``start`` (``None`` before a fit)."""
+        if self.cost is None:
+            return None
+        fixed, per_token = self.cost
+        return fixed + n * (per_token + self.per_context * (start + n / 2))
 
     def observe(self, n: int, seconds: float, *, start: int) -> None:
         """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``."""
@@ -78,25 +103,66 @@ class ChunkPlanner:
                 self._grow_blind = True
                 return
         self._grow_blind = False
-        self._samples = (self._samples + [(n, seconds)])[-6:]
-        line = linear_fit(self._samples)
-        sizes = [x for x, _ in self._samples]
-        if line is None or max(sizes) < 1.5 * min(sizes):
-            # Sizes too alike to tell how the time splits (context growth
-            # alone tilts the line): all per-token is the pessimistic reading
-            # for bigger chunks.
-            self.cost = (0.0, seconds / n)
-            return
-        if line[1] <= 0:
-            # Bigger chunks were no slower: the time is fixed cost (or noise
-            # over it). Reading it as per-token cost instead shrank the chunks
-            # toward one token under CPU load, each paying the fixed cost again.
-            # The fastest recent chunk bounds the fixed part: only when even it
-            # missed the target do chunks grow past what was measured.
-            self.cost = (min(t for _, t in self._samples), 0.0)
-            return
-        fixed, per_token = line
-        self.cost = (max(0.0, fixed), per_token)
+        self._samples = (self._samples + [(n, start, seconds)])[-FIT_WINDOW:]
+        if len(self._samples) >= 3 and self._off(*self._samples[-1]) == self._off(*self._samples[-2]) != 0:
+            # The last two both far from the fit, the same way: the device changed (load came or went).
+            # (One each way is a preemption and noise.)
+            self._samples = self._samples[-2:]
+        self._fit()
+
+    def _off(self, n: int, start: int, seconds: float) -> int:
+        """1 if the chunk took over :data:`SHIFT` x the fit, -1 if under 1 / :data:`SHIFT` of it, else 0."""
+        predicted = self.predict(n, start)
+        if predicted is None or predicted / SHIFT <= seconds <= predicted * SHIFT:
+            return 0
+        return 1 if seconds > predicted else -1
+
+    def _fit(self) -> None:
+        """Fit ``fixed + n * (per_token + per_context * position)`` to the recent chunks, by relative error.
+
+        The fixed part is fitted only when the sizes differ enough to tell it
+        from the per-token part (alike sizes: all per-token, the pessimistic
+        reading for bigger chunks), the context part only when the positions
+        do. A chunk far slower than the fit of the others (a preemption) is
+        left out while the others agree.
+        """
+        samples = self._samples
+        coef = self._fit_of(samples)
+        for _ in range(len(samples) // 4):  # a quarter of the window may be preemptions
+            if coef is None or len(samples) < 4:
+                break
+            ratios = [t / max(1e-12, _cost(coef, n, s)) for n, s, t in samples]
+            worst = max(range(len(samples)), key=lambda i: ratios[i])
+            if ratios[worst] <= SPIKE:
+                break
+            samples = samples[:worst] + samples[worst + 1 :]
+            coef = self._fit_of(samples)
+        if coef is None:
+            n, _, seconds = self._samples[-1]
+            coef = [0.0, seconds / n, 0.0]
+        self.cost = (coef[0], coef[1])
+        self.per_context = coef[2]
+
+    @staticmethod
+    def _fit_of(samples: list[tuple[int, int, float]]) -> list[float] | None:
+        sizes = [n for n, _, _ in samples]
+        middles = [s + n / 2 for n, s, _ in samples]
+        allowed = [
+            max(sizes) >= 1.5 * min(sizes),
+            True,
+            len(samples) >= 3 and max(middles) - min(middles) >= 2 * KV_STEP,
+        ]
+        # Relative errors: each chunk weighted by its expected time. By its measured time first, then by
+        # the first fit's prediction (a chunk measured fast would otherwise weigh most, and pull the fit low).
+        scale = [t for _, _, t in samples]
+        coef = None
+        for _ in range(2):
+            rows = [[1 / w, n / w, n * m / w] for w, n, m in zip(scale, sizes, middles)]
+            coef = nonnegative_fit(rows, [t / w for w, (_, _, t) in zip(scale, samples)], allowed)
+            if coef is None:
+                return None
+            scale = [max(1e-9, _cost(coef, n, s)) for n, s, _ in samples]
+        return coef
 
     def next_chunk(self, target_s: float, done: int, remaining: int) -> int:
         """The next chunk size for a piece budget of ``target_s`` seconds."""
@@ -107,17 +173,19 @@ class ChunkPlanner:
         else:
             fixed, per_token = self.cost
             if target_s <= fixed:
-                n = 1
+                # Not even one token fits: every chunk waits its fixed part anyway. Tokens that cost
+                # BALANCE x that part keep most of the time for tokens, a piece about 2.5x the fixed
+                # part; reached by at most doubling the largest chunk measured (the budget is lost
+                # already; the time is not).
+                largest = max((x for x, _, _ in self._samples), default=max(self._last, FIRST_PREFILL_CHUNK))
+                n = _tokens_within(BALANCE * fixed, per_token, self.per_context, done) or 2 * largest
+                n = max(FIRST_PREFILL_CHUNK, min(n, 2 * largest))
             else:
-                n = int((target_s - fixed) / per_token) if per_token > 0 else MAX_PREFILL_CHUNK
-            if self._last:
-                # At most 4x growth a chunk: the cost model extrapolates.
-                n = min(n, self._last * 4)
-            n = self._measured_bound(n, target_s)
-            if target_s <= fixed:
-                # Not even one token fits: larger chunks cost no more latency
-                # than small ones, so grow for throughput.
-                n = max(n, self._last * 2, FIRST_PREFILL_CHUNK)
+                n = _tokens_within(target_s - fixed, per_token, self.per_context, done) or MAX_PREFILL_CHUNK
+                if self._last:
+                    # At most 4x growth a chunk: the cost model extrapolates.
+                    n = min(n, self._last * 4)
+                n = self._measured_bound(n, target_s)
         n = max(1, min(n, MAX_PREFILL_CHUNK))
         if self.shapes_seen is None:
             # Shapes cost nothing new here: any size (rounding down to powers of
@@ -142,10 +210,12 @@ class ChunkPlanner:
         """
         if not self._samples:
             return n
-        ref_n, ref_s = max(reversed(self._samples), key=lambda s: s[0])
+        ref_n = max(x for x, _, _ in self._samples)
         if n <= ref_n:
             return n
-        return max(int(ref_n), min(n, int(target_s * ref_n / ref_s)))
+        # The median over the larger chunks: one measured fast by chance does not open the way.
+        per_token = statistics.median(t / x for x, _, t in self._samples if x >= ref_n / 2)
+        return max(int(ref_n), min(n, int(target_s / per_token)))
 
     def _seen_size(self, size: int, done: int, remaining: int) -> int:
         """``size``, or up to 4x smaller where only that chunk from ``done`` ran before.
@@ -159,6 +229,18 @@ class ChunkPlanner:
             if candidate >= 1 and (done, _aligned(candidate, done, remaining)) in (self.shapes_seen or ()):
                 return candidate
         return size
+
+
+def _cost(coef: list[float], n: int, start: int) -> float:
+    return coef[0] + n * (coef[1] + coef[2] * (start + n / 2))
+
+
+def _tokens_within(seconds: float, per_token: float, per_context: float, start: int) -> int:
+    """Tokens from ``start`` whose own cost (fixed part aside) fits ``seconds``; 0 when a token costs nothing."""
+    a, b = per_context / 2, per_token + per_context * start
+    if a <= 0:
+        return int(seconds / b) if b > 0 else 0
+    return int((-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a))
 
 
 def _aligned(size: int, done: int, remaining: int) -> int:
