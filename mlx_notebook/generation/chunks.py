@@ -172,7 +172,7 @@ class ChunkPlanner:
             n = FIRST_PREFILL_CHUNK
         else:
             fixed, per_token = self.cost
-            if target_s <= fixed:
+            if target_s <= fixed or self._tiny_and_over(target_s):
                 # Not even one token fits: every chunk waits its fixed part anyway. Tokens that cost
                 # BALANCE x that part keep most of the time for tokens, a piece about 2.5x the fixed
                 # part; reached by at most doubling the largest chunk measured (the budget is lost
@@ -198,6 +198,21 @@ class ChunkPlanner:
         size = 1 << (n.bit_length() - 1)  # the largest power of two <= n
         size = self._seen_size(size, done, remaining)
         return _aligned(size, done, remaining)
+
+    def _tiny_and_over(self, target_s: float) -> bool:
+        """Whether the recent chunks are all tiny and still mostly over the target: shrinking cannot help.
+
+        Chunks of alike sizes cannot tell a fixed cost from a per-token one,
+        and the fit reads them all per-token (the pessimistic reading): under
+        load a 1-token chunk over the target then kept every chunk at 1 token,
+        each paying the whole fixed part. The way out is to grow.
+        """
+        recent = self._samples[-3:]
+        return (
+            len(recent) == 3
+            and max(n for n, _, _ in recent) <= FIRST_PREFILL_CHUNK
+            and statistics.median(t for _, _, t in recent) > target_s
+        )
 
     def _measured_bound(self, n: int, target_s: float) -> int:
         """``n``, or less where it is beyond the largest recent chunk and that chunk's time per token forbids it.
