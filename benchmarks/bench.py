@@ -29,6 +29,7 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -272,6 +273,7 @@ def main() -> None:
         "load_s": load_s,
         "command": " ".join(sys.argv),
         "lengths": {},
+        "gpu_state": {"start": gpu_state()},
     }
     pieces_list = ["layers", "chunks"] if args.pieces == "both" else [args.pieces]
     for length in lengths:
@@ -327,9 +329,32 @@ def main() -> None:
                 save(result, args.out)
     worker.shutdown()
     sampler.close()
+    result["gpu_state"]["end"] = gpu_state()
     save(result, args.out)
     if args.out:
         print(f"wrote {args.out}")
+
+
+GPU_FIELDS = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def gpu_state() -> dict | None:
+    """The NVIDIA GPU's clocks, power and throttle reasons now (``None`` without ``nvidia-smi``).
+
+    Recorded beside figures that moved up to 2x between calls on the same
+    H200 host, so a slow run can be told from a slow change.
+    """
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={GPU_FIELDS}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    return dict(zip(GPU_FIELDS.split(","), (v.strip() for v in out.split(","))))
 
 
 def save(result: dict, out) -> None:

@@ -58,3 +58,20 @@ def test_decode_pieces_benchmark_runs(tiny_model, tmp_path, monkeypatch):
     assert tight["decode_pieces"] > 1 and whole["decode_pieces"] == 1
     assert result["same_tokens_both_budgets"]
     assert len(result["stops"]) == 2 and all(s["final"] in ("stopped", "done") for s in result["stops"])
+
+
+def test_batching_benchmark_times_one_generation_in_the_batches_rounds(tiny_model, tmp_path, monkeypatch):
+    from benchmarks import batching
+
+    out = tmp_path / "batching.json"
+    argv = ["batching", "--model", tiny_model, "--batch", "2", "--decode-tokens", "4", "--repeats", "3"]
+    skip = "solo,together,stop,profile,join,cached_stop,prefix"
+    monkeypatch.setattr(sys, "argv", [*argv, "--skip", skip, "--out", str(out)])
+    batching.main()
+    result = json.loads(out.read_text())
+    batched = result["batched"]
+    assert batched["over_one"] == batched["ours_aggregate_tps"] / batched["one_generation_tps"]
+    assert batched["one_generation_tps"] > 0 and batched["one_generation_tps_solo_runs"] > 0
+    assert batched["rows_equal_to_solo"] == "2/2 (worst of 3)"  # the CPU: exact
+    # No GPU here: the state is recorded as absent, not guessed.
+    assert result["gpu_state"] == {"start": None, "end": None}
