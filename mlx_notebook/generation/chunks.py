@@ -91,8 +91,7 @@ class ChunkPlanner:
         """Seconds the fitted cost gives a chunk of ``n`` tokens from ``start`` (``None`` before a fit)."""
         if self.cost is None:
             return None
-        fixed, per_token = self.cost
-        return fixed + n * (per_token + self.per_context * (start + n / 2))
+        return _cost([*self.cost, self.per_context], n, start)
 
     def observe(self, n: int, seconds: float, *, start: int) -> None:
         """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``."""
@@ -173,10 +172,10 @@ class ChunkPlanner:
         else:
             fixed, per_token = self.cost
             if target_s <= fixed or self._tiny_and_over(target_s):
-                # Not even one token fits: every chunk waits its fixed part anyway. Tokens that cost
-                # BALANCE x that part keep most of the time for tokens, a piece about 2.5x the fixed
-                # part; reached by at most doubling the largest chunk measured (the budget is lost
-                # already; the time is not).
+                # Not even one token fits (by the fit, or tiny chunks mostly ran over): every chunk
+                # waits its fixed part anyway. Tokens that cost BALANCE x that part keep most of the
+                # time for tokens, a piece about 2.5x the fixed part; reached by at most doubling the
+                # largest chunk measured (the budget is lost already; the time is not).
                 largest = max((x for x, _, _ in self._samples), default=max(self._last, FIRST_PREFILL_CHUNK))
                 n = _tokens_within(BALANCE * fixed, per_token, self.per_context, done) or 2 * largest
                 n = max(FIRST_PREFILL_CHUNK, min(n, 2 * largest))
@@ -247,6 +246,7 @@ class ChunkPlanner:
 
 
 def _cost(coef: list[float], n: int, start: int) -> float:
+    """Seconds ``[fixed, per_token, per_context]`` give a chunk of ``n`` tokens from ``start``."""
     return coef[0] + n * (coef[1] + coef[2] * (start + n / 2))
 
 
