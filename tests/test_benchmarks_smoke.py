@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 from benchmarks import sampling
 
@@ -75,3 +76,28 @@ def test_batching_benchmark_times_one_generation_in_the_batches_rounds(tiny_mode
     assert batched["rows_equal_to_solo"] == "2/2 (worst of 3)"  # the CPU: exact
     # No GPU here: the state is recorded as absent, not guessed.
     assert result["gpu_state"] == {"start": None, "end": None}
+
+
+def test_token_clock_times_tokens_not_the_flush_at_a_generations_end(tiny_model):
+    # A generation's end flushes text held back (a possible tag's start) as a "tokens" event
+    # with no tokens: timed as a token, it made the join benchmark's "longest gap" run to the
+    # teardown's stop.
+    import mlx_notebook
+    from benchmarks.batching import TokenClock
+    from mlx_notebook.generation.handle import GenerationEvent
+
+    worker = mlx_notebook.Worker()
+    running, gate = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=worker.call, args=(lambda store: running.set() or gate.wait(60),))
+    blocker.start()
+    assert running.wait(60)  # the worker is held: the generation stays queued until the clock listens
+    gen = mlx_notebook.generate([1, 2, 3], model=tiny_model, max_tokens=5, worker=worker)
+    clock = TokenClock([gen])
+    gate.set()
+    gen.result(timeout=120)
+    blocker.join(60)
+    n = len(gen.tokens)
+    assert n >= 1 and len(clock.times[gen.id]) == n
+    clock(GenerationEvent("tokens", gen, gen.state, text="<"))
+    assert len(clock.times[gen.id]) == n
+    worker.shutdown(timeout=60)
