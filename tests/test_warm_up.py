@@ -112,3 +112,121 @@ def test_a_generation_waiting_behind_the_warm_up_stops_at_once(tiny_model, monke
     finally:
         release.set()
         assert worker.shutdown(timeout=30)
+
+
+@pytest.fixture
+def small_ladder(monkeypatch):
+    """A ladder the tiny model runs in a second on the CPU: every power of two from 256, to 2k tokens."""
+    monkeypatch.setattr(warm_up, "LADDER_SIZES", (256, 512, 1024))
+    monkeypatch.setattr(warm_up, "LADDER_CONTEXT", 2048)
+
+
+def buffers_after_each_update(monkeypatch) -> dict[tuple[int, int], int]:
+    """``(offset before, tokens) -> cache buffer length after`` of every KVCache update from now on."""
+    from mlx_lm.models.cache import KVCache
+
+    seen: dict[tuple[int, int], int] = {}
+    real = KVCache.update_and_fetch
+
+    def recording(self, keys, values):
+        start = self.offset
+        out = real(self, keys, values)
+        seen[(start, keys.shape[2])] = self.keys.shape[2]
+        return out
+
+    monkeypatch.setattr(KVCache, "update_and_fetch", recording)
+    return seen
+
+
+def test_the_ladder_runs_each_chunk_on_the_cache_layout_a_prompts_prefill_leaves(
+    tiny_model, small_ladder, monkeypatch
+) -> None:
+    # cuDNN's attention graphs are keyed on shapes and strides: a ladder chunk builds the graph a
+    # prompt's chunk then uses only if the key buffer it attends over is as long as the prompt's.
+    from mlx_notebook.generation import prefill
+
+    monkeypatch.setattr(prefill, "builds_kernels_per_shape", lambda: True)  # the planner's CUDA plan
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        in_prompt = buffers_after_each_update(monkeypatch)
+        gen = mlx_notebook.generate([5 + i % 200 for i in range(2000)], model=tiny_model, worker=worker, max_tokens=1)
+        gen.result(timeout=120)
+        # The big chunks, powers of two (the last, the prompt's rest, has a length of its own).
+        prompt_chunks = {k: v for k, v in in_prompt.items() if k[1] >= 256 and k[1] & (k[1] - 1) == 0}
+        assert len(prompt_chunks) >= 2, in_prompt
+        loaded.prefill_shapes_seen.clear()
+        in_ladder = buffers_after_each_update(monkeypatch)
+        assert worker.call(lambda store: warm_up.warm_ladder(loaded, lambda: True))
+        assert set(prompt_chunks) <= set(in_ladder)
+        assert {k: in_ladder[k] for k in prompt_chunks} == prompt_chunks
+        assert warm_up.ladder(loaded) == [] and len(loaded.prefill_shapes_seen) == 8 + 4 + 2
+    finally:
+        assert worker.shutdown(timeout=30)
+
+
+def test_the_ladder_stops_when_a_job_is_queued_and_takes_up_where_it_left(tiny_model, small_ladder) -> None:
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        full = warm_up.ladder(loaded)
+        assert len(full) == 8 + 4 + 2 and full[0][0] == 0 and full[-1][0] == 2048 - 256
+        asked = []
+
+        def three_then_a_job() -> bool:
+            asked.append(1)
+            return len(asked) <= 3
+
+        assert worker.call(lambda store: warm_up.warm_ladder(loaded, three_then_a_job)) is False
+        assert len(asked) == 4  # asked before each chunk: the job waited for one
+        assert loaded.prefill_shapes_seen == set(full[:3])  # the lowest starts first
+        assert warm_up.ladder(loaded) == full[3:]
+        assert worker.call(lambda store: warm_up.warm_ladder(loaded, lambda: True)) is True
+        assert warm_up.ladder(loaded) == []
+    finally:
+        assert worker.shutdown(timeout=30)
+
+
+def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_first(
+    tiny_model, small_ladder, monkeypatch
+) -> None:
+    real_chunk, real_ladder = warm_up._first_layer, warm_up.warm_ladder
+    in_chunk, release = threading.Event(), threading.Event()
+    ended = threading.Condition()
+    results: list[bool] = []
+
+    def held_chunk(model, owner, cache, start, size):
+        if size >= 256 and not release.is_set():
+            in_chunk.set()
+            release.wait(60)  # a ladder chunk still running when the generation is submitted
+        real_chunk(model, owner, cache, start, size)
+
+    def recording(loaded, keep_going):
+        done = real_ladder(loaded, keep_going)
+        with ended:
+            results.append(done)
+            ended.notify_all()
+        return done
+
+    monkeypatch.setattr(warm_up, "wanted", lambda: True)
+    monkeypatch.setattr(warm_up, "_first_layer", held_chunk)
+    monkeypatch.setattr(warm_up, "warm_ladder", recording)
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        assert in_chunk.wait(60), "no ladder after the load"
+        gen = mlx_notebook.generate(PROMPT, model=tiny_model, worker=worker, max_tokens=12)
+        assert gen.state == "queued"
+        release.set()
+        gen.result(timeout=120)
+        assert gen.state == "done" and len(gen.tokens) == 12
+        with ended:
+            assert ended.wait_for(lambda: True in results, timeout=120), results
+        assert results[0] is False  # given up for the generation, then taken up again
+        loaded = worker.store.loaded()[0]
+        assert loaded.ladder_warmed and warm_up.ladder(loaded) == []
+    finally:
+        release.set()
+        assert worker.shutdown(timeout=30)

@@ -15,18 +15,43 @@ first long prompt. A generation submitted meanwhile waits for it (its first toke
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
 
+Then, still only while idle, the *ladder*: every big prefill chunk a prompt
+of up to :data:`LADDER_CONTEXT` tokens can be cut into (sizes
+:data:`LADDER_SIZES`, each at every start aligned to it: the planner's
+shapes there) runs once through the first layer. cuDNN builds an attention
+graph per pair of chunk and context length, ~40 ms each on an H200, inside
+the piece that meets it: a fresh process's first 32k prompt, stopped at a
+random moment, waited up to 268 ms (p99, budget 0.01) where a process that
+had prefilled such a prompt once waited 15.5 ms
+(``benchmarks/results/h200_prewarm_probe_session22.*``). One layer builds
+the graph every layer then uses, over a cache of zeros: no model's worth of
+work, a layer's cache of memory. The ladder is given up at the first chunk
+a job is queued before (that job waits for one chunk, tens of ms) and taken
+up at the next idle moment where it was left.
+
 This module never imports IPython or ipywidgets.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
 from ..loading.store import LoadedModel
 from . import small_attention
 from .chunks import FIRST_PREFILL_CHUNK, builds_kernels_per_shape
+from .pieces import BuildStopped, MarkedLayers, layer_owner
+
+# The big chunks the planner cuts (powers of two, each ending on a multiple of
+# itself): 1024 at budget 0.01 and 2048 at the default 0.1 on an H200 with an
+# 8B model, 512 on a device half as fast. Smaller chunks run unfused near
+# their start (small_attention) and build nothing.
+LADDER_SIZES = (512, 1024, 2048)
+# Context the ladder reaches: a 32k prompt's chunks (the model's own limit where lower).
+LADDER_CONTEXT = 32768
 
 log = logging.getLogger(__name__)
 
@@ -66,4 +91,63 @@ def warm(loaded: LoadedModel) -> None:
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
 
 
-__all__ = ["wanted", "warm"]
+def ladder(loaded: LoadedModel) -> list[tuple[int, int]]:
+    """The ``(start, size)`` chunks the ladder has still to run for ``loaded``, lowest start first."""
+    limit = min(LADDER_CONTEXT, int(loaded.config.get("max_position_embeddings") or LADDER_CONTEXT))
+    pairs = {(start, size) for size in LADDER_SIZES for start in range(0, limit - size + 1, size)}
+    return sorted(pairs - loaded.prefill_shapes_seen)
+
+
+def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
+    """Run the ladder's chunks through ``loaded``'s first layer while ``keep_going()``; whether it is all done.
+
+    Each chunk runs on a cache of zeros as long as its start, laid out as a
+    prefill leaves it (a buffer exactly that long: chunks of 256 tokens or
+    more end on mlx-lm's allocation step), so its attention has the shapes
+    and strides a prompt's will. A model whose layers this cannot reach (no
+    layer list, a cache other than mlx-lm's plain ``KVCache``) has no ladder.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    model = loaded.model
+    cache = make_prompt_cache(model)
+    owner = layer_owner(model, len(cache))
+    if owner is None or type(cache[0]) is not KVCache:
+        return True
+    try:
+        # The first layer's cache layout, read off a chunk small enough to run unfused (no graph).
+        _first_layer(model, owner, cache, 0, FIRST_PREFILL_CHUNK)
+        keys, values = cache[0].keys, cache[0].values
+        assert keys is not None and values is not None  # filled by that chunk
+        for start, size in ladder(loaded):
+            if not keep_going():
+                return False
+            cache = make_prompt_cache(model)
+            if start:
+                first = cache[0]
+                first.keys = mx.zeros((*keys.shape[:2], start, keys.shape[3]), keys.dtype)
+                first.values = mx.zeros((*values.shape[:2], start, values.shape[3]), values.dtype)
+                first.offset = start
+            _first_layer(model, owner, cache, start, size)
+            loaded.prefill_shapes_seen.add((start, size))
+        return True
+    except Exception:  # a real prefill meets the same error and reports it
+        log.debug("prefill ladder of %s failed", loaded.source.key, exc_info=True)
+        return True
+    finally:
+        mx.clear_cache()
+
+
+def _first_layer(model: Any, owner: Any, cache: list[Any], start: int, size: int) -> None:
+    """Run ``size`` tokens from ``start`` through the first layer only (the rest is never built)."""
+    ids = (mx.arange(start, start + size, dtype=mx.uint32) % 1000 + 1)[None]
+    with MarkedLayers(owner, per=1, stopped=lambda: True) as marks:
+        try:
+            model(ids, cache=cache)
+        except BuildStopped:
+            pass
+    mx.eval(marks.marks[0] if marks.marks else cache[0].state)
+    mx.synchronize()
+
+
+__all__ = ["LADDER_CONTEXT", "LADDER_SIZES", "ladder", "wanted", "warm", "warm_ladder"]

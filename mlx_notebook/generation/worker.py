@@ -414,18 +414,28 @@ class Worker:
             mx.clear_streams()
 
     def _warm_while_idle(self) -> None:
-        """Pay each loaded model's first forward now, while nothing is queued (see :mod:`.warm_up`)."""
+        """Pay each loaded model's first uses now, while nothing is queued (see :mod:`.warm_up`).
+
+        Its first forward, then its prefill ladder, which the first job
+        queued interrupts (taken up again at the next idle moment).
+        """
         if not warm_up.wanted():
             return
         assert self.stream is not None  # made by the thread before it takes jobs
         for loaded in self.store.loaded():
-            with self._cond:
-                if self._queue or self._inline or self._closed:
-                    return
-            if not loaded.warmed:
-                loaded.warmed = True  # once, even if it fails: a real generation reports that
-                with mx.stream(self.stream):
+            if not self._idle():
+                return
+            with mx.stream(self.stream):
+                if not loaded.warmed:
+                    loaded.warmed = True  # once, even if it fails: a real generation reports that
                     warm_up.warm(loaded)
+                if not loaded.ladder_warmed:
+                    loaded.ladder_warmed = warm_up.warm_ladder(loaded, self._idle)
+
+    def _idle(self) -> bool:
+        """Nothing queued and not closing."""
+        with self._cond:
+            return not (self._queue or self._inline or self._closed)
 
     def _run_call(self, job: _Call) -> None:
         assert self.stream is not None  # made by the thread before it takes jobs

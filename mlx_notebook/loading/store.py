@@ -105,6 +105,8 @@ class LoadedModel:
           cache). Default: ``None`` (not measured yet).
         warmed: Whether the worker ran its first forward while idle (see
           ``generation.warm_up``). Default: ``False``.
+        ladder_warmed: Whether the worker ran its prefill ladder to the end
+          while idle (``generation.warm_up``). Default: ``False``.
     """
 
     source: ModelSource
@@ -121,6 +123,7 @@ class LoadedModel:
     fingerprint: str | None = None
     step_s: float | None = None
     warmed: bool = False
+    ladder_warmed: bool = False
 
 
 class ModelStore:
