@@ -122,3 +122,19 @@ def test_a_plan_that_wobbles_up_reuses_the_shapes_already_built() -> None:
     # Without the seen shapes the same cost plans 2048-token chunks: all new shapes.
     _, fresh = run_prompt(fast, set(), 8191, 0.112, lambda s, n: 0.002 + n * 4e-5)
     assert max(n for _, n in fresh) == 2048
+
+
+def test_a_prompts_rest_is_padded_to_a_chunk_built_before_and_no_further() -> None:
+    from mlx_notebook.generation.chunks import padded_to_seen
+
+    built = {(7680, 512), (4096, 1024), (4096, 512)}
+    # An 8k prompt's rest (7680..8191): the aligned 512 a longer prompt ran there.
+    assert padded_to_seen(511, 7680, 511, built) == 512
+    # The smallest chunk built that holds it.
+    assert padded_to_seen(300, 4096, 300, built) == 512
+    assert padded_to_seen(903, 4096, 903, built) == 1024
+    # Not the rest, nothing built there, a pad over the chunk's own size, no per-shape builds: as planned.
+    assert padded_to_seen(511, 7680, 900, built) == 511
+    assert padded_to_seen(511, 7168, 511, built) == 511
+    assert padded_to_seen(200, 4096, 200, built) == 200
+    assert padded_to_seen(511, 7680, 511, None) == 511

@@ -230,3 +230,36 @@ def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_f
     finally:
         release.set()
         assert worker.shutdown(timeout=30)
+
+
+def test_a_prompts_rest_runs_padded_to_a_ladder_chunk_and_its_tokens_do_not_change(
+    tiny_model, small_ladder, monkeypatch
+) -> None:
+    from mlx_notebook.generation import prefill
+
+    monkeypatch.setattr(prefill, "builds_kernels_per_shape", lambda: True)  # the planner's CUDA plan
+    real_padding = prefill.padded_to_seen
+    prompt = [5 + i % 200 for i in range(1001)]  # 1,000 tokens prefilled, the last fed by the first step
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+
+        def run() -> list[int]:
+            gen = mlx_notebook.generate(prompt, model=tiny_model, worker=worker, max_tokens=8)
+            gen.result(timeout=120)
+            assert gen.state == "done"
+            return gen.tokens
+
+        monkeypatch.setattr(prefill, "padded_to_seen", lambda n, *rest: n)
+        unpadded = run()
+        loaded.prefill_shapes_seen.clear()
+        assert worker.call(lambda store: warm_up.warm_ladder(loaded, lambda: True))
+        monkeypatch.setattr(prefill, "padded_to_seen", real_padding)
+        updates = buffers_after_each_update(monkeypatch)
+        assert run() == unpadded
+        past_the_end = [(start, n) for start, n in updates if n > 1 and start + n > 1000]
+        assert past_the_end and all((start, n) in loaded.prefill_shapes_seen for start, n in past_the_end)
+        assert (1000, 1) in updates  # the first step wrote the last prompt token over the pad
+    finally:
+        assert worker.shutdown(timeout=30)

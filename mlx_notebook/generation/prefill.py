@@ -23,11 +23,12 @@ import time
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from ..control import Pace
 from ..loading.store import LoadedModel
 from .budget import PREFILL_SHARE
-from .chunks import ChunkPlanner, builds_kernels_per_shape
+from .chunks import ChunkPlanner, builds_kernels_per_shape, padded_to_seen
 from .kv_settings import KVSettings
 from .pieces import LayerRunner, prefill_runner
 from .states import State
@@ -100,18 +101,28 @@ def prefill(
             # run). Layer groups still bound the stop.
             return pace.agree(min(ROTATING_PREFILL_CHUNK, to_process - done))
         target = pace.budget_s * PREFILL_SHARE * runner.chunk_budget_factor
-        return pace.agree(planner.next_chunk(target, done, to_process - done))
+        n = planner.next_chunk(target, done, to_process - done)
+        return pace.agree(padded_to_seen(n, done, to_process - done, shapes if trimmable else None))
 
+    # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after it.
+    trimmable = all(type(c) is KVCache for c in cache)
     if done < to_process:
         n = agreed_chunk()
         while True:
             if kv is not None:
                 kv.quantize(cache)
+            real = min(n, to_process - done)
+            chunk = ids[None, done : done + real]
+            if n > real:  # copies of the chunk's last token, which only the tokens after them would see
+                chunk = mx.concatenate([chunk, mx.repeat(chunk[:, -1:], n - real, axis=1)], axis=1)
             t0 = time.perf_counter()
-            runner.run(ids[None, done : done + n])
+            runner.run(chunk)
             planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)
+            if n > real:
+                for c in cache:
+                    c.trim(n - real)
             sink.stats.prefill_pieces = runner.pieces
-            done += n
+            done += real
             sink.stats.prefill_chunks += 1
             sink.progress("prefill", done, total)
             mx.clear_cache()
