@@ -23,7 +23,6 @@ import time
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ..control import Pace
 from ..loading.store import LoadedModel
@@ -105,6 +104,9 @@ def prefill(
         return pace.agree(padded_to_seen(n, done, to_process - done, shapes if trimmable else None))
 
     # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after it.
+    # (Imported here: mlx-lm is imported by the first load, which a stop cuts short.)
+    from mlx_lm.models.cache import KVCache
+
     trimmable = all(type(c) is KVCache for c in cache)
     if done < to_process:
         n = agreed_chunk()

@@ -35,6 +35,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,7 @@ def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
     owner = layer_owner(model, len(cache))
     if owner is None or type(cache[0]) is not KVCache:
         return True
+    start_s, ran = time.perf_counter(), 0
     try:
         # The first layer's cache layout, read off a chunk small enough to run unfused (no graph).
         _first_layer(model, owner, cache, 0, FIRST_PREFILL_CHUNK)
@@ -130,6 +132,8 @@ def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
                 first.offset = start
             _first_layer(model, owner, cache, start, size)
             loaded.prefill_shapes_seen.add((start, size))
+            ran += 1
+        log.debug("prefill ladder of %s: %d chunks in %.2f s", loaded.source.key, ran, time.perf_counter() - start_s)
         return True
     except Exception:  # a real prefill meets the same error and reports it
         log.debug("prefill ladder of %s failed", loaded.source.key, exc_info=True)
