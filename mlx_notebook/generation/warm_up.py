@@ -1,4 +1,4 @@
-"""A loaded model's first forward, run on the worker's thread while it has nothing to do (CUDA).
+"""A loaded model's first uses, run on the worker's thread while it has nothing to do (CUDA): its first forward, then its prefill ladder.
 
 On MLX's CUDA backend a process's first forward starts cuBLAS and cuDNN,
 makes their handles and loads kernels: one 8B-shaped layer of 8 tokens took
