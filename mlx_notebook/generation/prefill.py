@@ -88,6 +88,11 @@ def prefill(
     sink.stats.prefill_pieces = runner.pieces
     shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
     planner = ChunkPlanner(loaded.prefill_cost, shapes)
+    # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after it.
+    # (Imported here: mlx-lm is imported by the first load, which a stop cuts short.)
+    from mlx_lm.models.cache import KVCache
+
+    trimmable = all(type(c) is KVCache for c in cache)
     done = start
     sink.progress("prefill", done, total)
 
@@ -103,11 +108,6 @@ def prefill(
         n = planner.next_chunk(target, done, to_process - done)
         return pace.agree(padded_to_seen(n, done, to_process - done, shapes if trimmable else None))
 
-    # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after it.
-    # (Imported here: mlx-lm is imported by the first load, which a stop cuts short.)
-    from mlx_lm.models.cache import KVCache
-
-    trimmable = all(type(c) is KVCache for c in cache)
     if done < to_process:
         n = agreed_chunk()
         while True:
