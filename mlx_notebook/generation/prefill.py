@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from ..control import Pace
 from ..loading.store import LoadedModel
+from . import batch_cache
 from .budget import PREFILL_SHARE
 from .chunks import ChunkPlanner, builds_kernels_per_shape, padded_to_seen
 from .kv_settings import KVSettings
@@ -88,11 +89,9 @@ def prefill(
     sink.stats.prefill_pieces = runner.pieces
     shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
     planner = ChunkPlanner(loaded.prefill_cost, shapes)
-    # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after it.
-    # (Imported here: mlx-lm is imported by the first load, which a stop cuts short.)
-    from mlx_lm.models.cache import KVCache
-
-    trimmable = all(type(c) is KVCache for c in cache)
+    # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after
+    # it, which needs plain KVCache layers.
+    trimmable = batch_cache.batchable(cache)
     done = start
     sink.progress("prefill", done, total)
 

@@ -151,7 +151,6 @@ def _first_layer(model: Any, owner: Any, cache: list[Any], start: int, size: int
         except BuildStopped:
             pass
     mx.eval(marks.marks[0] if marks.marks else cache[0].state)
-    mx.synchronize()
 
 
 __all__ = ["LADDER_CONTEXT", "LADDER_SIZES", "ladder", "wanted", "warm", "warm_ladder"]
