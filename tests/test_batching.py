@@ -705,3 +705,64 @@ def test_decode_steps_run_on_the_stream_the_worker_synchronizes(tiny_model, monk
     finally:
         assert worker.shutdown(timeout=60)
     assert streams and all(current == own for current, own in streams), streams
+
+
+def test_a_joiners_unbuilt_chunks_run_unfused_in_blocks_and_stay_unbuilt(tiny_model, monkeypatch):
+    """While others decode, a chunk of a shape the device has not built runs its attention unfused.
+
+    On CUDA a fused chunk of a new shape builds a graph inside one piece,
+    between two of the others' tokens. Forced here on the CPU: the planner's
+    CUDA plan (shapes tracked), the routed attention, and a limit small
+    enough that the tiny model's chunks are "big".
+    """
+    from mlx_notebook.generation import attention_patch, chunks, prefill, small_attention
+
+    monkeypatch.setattr(prefill, "builds_kernels_per_shape", lambda: True)
+    monkeypatch.setattr(small_attention, "wanted", lambda: True)
+    monkeypatch.setattr(small_attention, "MAX_SCORES", 4 * 64 * 64)  # 4 query heads: past 64 x 64, a chunk is big
+    in_blocks: list[tuple[int, int]] = []
+    observed: list[tuple[int, int, bool]] = []
+    real_blocks, real_observe = small_attention.attend_in_blocks, chunks.ChunkPlanner.observe
+
+    def blocks(q, k, *rest):
+        in_blocks.append((q.shape[2], k.shape[2]))
+        return real_blocks(q, k, *rest)
+
+    def observe(self, n, seconds, *, start, built=True):
+        observed.append((start, n, built))
+        real_observe(self, n, seconds, start=start, built=built)
+
+    monkeypatch.setattr(small_attention, "attend_in_blocks", blocks)
+    monkeypatch.setattr(chunks.ChunkPlanner, "observe", observe)
+    long_prompt = [(37 * i) % 250 + 20 for i in range(700)]
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    module = None
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        module = attention_patch.module_of(loaded.model)
+        original = getattr(module, attention_patch.NAME)
+        alone = _alone(worker, tiny_model, long_prompt, 8)
+        assert observed and all(built for *_, built in observed) and not in_blocks  # alone: fused, built
+        loaded.prefill_shapes_seen.clear()  # a process that never ran these shapes
+        observed.clear()
+        first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000)
+        wait_tokens(first, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8)
+        joiner.result(timeout=120)
+        assert not first.finished, "the joiner's prefill did not run beside a decoding row"
+        first.cancel()
+        assert first.wait(60)
+    finally:
+        assert worker.shutdown(timeout=60)
+        if module is not None:
+            attention_patch.unwrap(loaded.model, original)
+    assert joiner.stats.batch_size == 2
+    unbuilt = [(start, n) for start, n, built in observed if not built]
+    big = [(start, n) for start, n in unbuilt if 4 * n * (start + n) > 4 * 64 * 64]
+    assert big, observed
+    # Each big unbuilt chunk's attention went the blocked way, over all its keys, in each of the 4 layers.
+    for start, n in big:
+        assert in_blocks.count((n, start + n)) == 4, (start, n, in_blocks)
+    assert not set(unbuilt) & loaded.prefill_shapes_seen  # still to be built (by the idle ladder)
+    assert joiner.tokens == alone
