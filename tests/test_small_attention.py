@@ -46,27 +46,6 @@ def test_unfused_equals_fused_with_array_masks(per_head: bool) -> None:
         assert mx.allclose(fused, ours, atol=1e-5).item(), float(mx.abs(fused - ours).max())
 
 
-@pytest.mark.parametrize(("n", "s", "block"), [(24, 40, 5), (24, 24, 8), (7, 300, 3), (6, 20, 100)])
-def test_unfused_in_blocks_equals_fused(n: int, s: int, block: int) -> None:
-    q, k, v = _qkv(n, s)
-    keep = (mx.random.uniform(shape=(n, s), key=mx.random.key(5)) > 0.3) | (mx.arange(s) == 0)
-    for mask in ("causal", None, keep):
-        fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-        ours = small_attention.attend_in_blocks(q, k, v, 0.25, mask, block_scores=2 * 8 * s * block)
-        assert mx.allclose(fused, ours, atol=1e-5).item(), (mask, float(mx.abs(fused - ours).max()))
-
-
-def test_blocks_share_one_shape_but_the_last(monkeypatch) -> None:
-    q, k, v = _qkv(24, 40)
-    shapes: list[tuple[int, int]] = []
-    attend = small_attention.attend
-    monkeypatch.setattr(
-        small_attention, "attend", lambda q, k, *a: shapes.append((q.shape[2], k.shape[2])) or attend(q, k, *a)
-    )
-    small_attention.attend_in_blocks(q, k, v, 0.25, "causal", block_scores=2 * 8 * 40 * 10)
-    assert shapes == [(10, 40), (10, 40), (4, 40)]  # every block over all the keys: one matmul shape
-
-
 def test_a_models_prefill_chunks_match_and_big_ones_keep_the_fused_call(tmp_path: Path, monkeypatch) -> None:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
@@ -96,13 +75,6 @@ def test_a_models_prefill_chunks_match_and_big_ones_keep_the_fused_call(tmp_path
         monkeypatch.setattr(small_attention, "MAX_SCORES", 4 * 24 * 32 - 1)  # tiny model: 4 query heads
         assert mx.allclose(chunks(), fused, atol=1e-4).item()
         assert calls == [(8, 8)] * 2 + [(8, 40)] * 2  # the 24-token chunk over 32 keys went to the fused call
-        calls.clear()
-        with small_attention.unbuilt():
-            assert mx.allclose(chunks(), fused, atol=1e-4).item()
-        assert calls == [(8, 8)] * 2 + [(24, 32)] * 2 + [(8, 40)] * 2  # unbuilt: the big chunk too, unfused
-        calls.clear()
-        assert mx.allclose(chunks(), fused, atol=1e-4).item()
-        assert calls == [(8, 8)] * 2 + [(8, 40)] * 2  # and only inside
         cache = make_prompt_cache(model)
         model(ids[:, :8], cache=cache)
         calls.clear()

@@ -93,25 +93,14 @@ class ChunkPlanner:
             return None
         return _cost([*self.cost, self.per_context], n, start)
 
-    def observe(self, n: int, seconds: float, *, start: int, built: bool = True) -> None:
-        """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``.
-
-        ``built``: whether it ran the device's per-shape kernels (``False``:
-        its attention ran unfused, see :func:`.small_attention.unbuilt`; its
-        shape stays unseen and its time is a cost like any other).
-        """
+    def observe(self, n: int, seconds: float, *, start: int) -> None:
+        """Record that the chunk of ``n`` tokens from ``start`` took ``seconds``."""
         self._last = n
-        if not built:
-            self._learn(n, start, seconds)
-            return
         if self.shapes_seen is not None and (start, n) not in self.shapes_seen:
             self.shapes_seen.add((start, n))
             if self.cost is None or seconds > 2 * (self.cost[0] + n * self.cost[1]):
                 self._grow_blind = True
                 return
-        self._learn(n, start, seconds)
-
-    def _learn(self, n: int, start: int, seconds: float) -> None:
         self._grow_blind = False
         self._samples = (self._samples + [(n, start, seconds)])[-FIT_WINDOW:]
         if len(self._samples) >= 3 and self._off(*self._samples[-1]) == self._off(*self._samples[-2]) != 0:

@@ -20,14 +20,13 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any, Protocol
 
 import mlx.core as mx
 
 from ..control import Pace
 from ..loading.store import LoadedModel
-from . import batch_cache, small_attention
+from . import batch_cache
 from .budget import PREFILL_SHARE
 from .chunks import ChunkPlanner, builds_kernels_per_shape, padded_to_seen
 from .kv_settings import KVSettings
@@ -61,7 +60,6 @@ def prefill(
     start: int = 0,
     kv: KVSettings | None = None,
     last: bool = False,
-    joining: bool = False,
 ) -> mx.array | None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
@@ -83,10 +81,6 @@ def prefill(
     it a stop would otherwise wait for all of it (measured on an H200, Qwen3-8B
     shape, 8k cached: stop p99 14.8 ms against a 10 ms budget). Otherwise, and
     where layers cannot be grouped, ``None``: the first decode step feeds it.
-
-    With ``joining`` (other generations decode at the checkpoints), a chunk
-    whose shape the device has not built yet runs its attention unfused
-    (:func:`.small_attention.unbuilt`): its build would stall the others.
     """
     total = len(prompt)
     to_process = total - 1
@@ -98,9 +92,6 @@ def prefill(
     # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after
     # it, which needs plain KVCache layers.
     trimmable = batch_cache.batchable(cache)
-    # Chunks of unbuilt shapes go unfused where the model's attention can be routed (installed once per model).
-    unfused = joining and shapes is not None and trimmable and small_attention.wanted()
-    unfused = unfused and small_attention.install(loaded.model)
     done = start
     sink.progress("prefill", done, total)
 
@@ -125,11 +116,9 @@ def prefill(
             chunk = ids[None, done : done + real]
             if n > real:  # copies of the chunk's last token, which only the tokens after them would see
                 chunk = mx.concatenate([chunk, mx.repeat(chunk[:, -1:], n - real, axis=1)], axis=1)
-            fresh = unfused and (done, n) not in (shapes or ())
             t0 = time.perf_counter()
-            with small_attention.unbuilt() if fresh else nullcontext():
-                runner.run(chunk)
-            planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done, built=not fresh)
+            runner.run(chunk)
+            planner.observe(n, time.perf_counter() - t0 - runner.outside_s, start=done)
             if n > real:
                 for c in cache:
                     c.trim(n - real)

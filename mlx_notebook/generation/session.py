@@ -287,17 +287,8 @@ class Session:
                 self._reserve = shared.reserve_for(len(fed)) if kv.plain and shared is not None else None
                 try:
                     # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
-                    decoding = self._decoding()
                     first = prefill(
-                        loaded,
-                        cache,
-                        fed,
-                        pace=pace,
-                        sink=reporter,
-                        start=cached,
-                        kv=kv,
-                        last=not decoding,
-                        joining=decoding,
+                        loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
                     )
                     reserve = self._reserve
                 finally:

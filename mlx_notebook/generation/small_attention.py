@@ -12,26 +12,15 @@ first prompt was stopped within budget + 50 ms in 3-4 of 8 rounds.
 Where the scores are small (a chunk's first ~1k positions), the same
 attention as separate matmuls and a softmax costs well under a millisecond
 and builds nothing, so here it runs that way. Bigger chunks keep the fused
-kernel (their scores would not fit in memory as a whole), except inside
-:func:`unbuilt`: there a chunk of any size runs unfused, in blocks of
-queries whose scores fit :data:`BLOCK_SCORES`. The prefill of a prompt that
-joins decoding rows asks for that for a chunk whose shape has not been
-built (:mod:`.prefill`): the build would land in one piece of work, between
-two of the others' tokens, and a process kept busy leaves its idle ladder
-(:mod:`.warm_up`) no time to build ahead (110 of 112 shapes unbuilt at a
-benchmark's first join, whose others' gap was 69.5 ms against a 41.4 ms
-bound: ``benchmarks/results/h200_batching_qwen3-8b_session23_b.json``).
-Only on the CUDA backend, only for chunks of more than one query over a
-plain cache; every other call goes to what was there before.
+kernel (their scores would not fit in memory as a whole). Only on the CUDA
+backend, only for chunks of more than one query over a plain cache; every
+other call goes to what was there before.
 
 This module never imports IPython or ipywidgets.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -42,12 +31,6 @@ from .chunks import builds_kernels_per_shape
 # Largest score tensor computed unfused, in elements (64 MB in float32): a
 # 512-token chunk at 1k positions with 32 heads.
 MAX_SCORES = 1 << 24
-# Largest score block of a chunk run unfused inside unbuilt() (256 MB in float32):
-# 256 queries of 32 heads over 8k positions. Every block reads all the keys, so
-# the blocks of a chunk share one shape (a new matmul shape costs ~2.5 ms once).
-BLOCK_SCORES = 1 << 26
-
-_state = threading.local()  # the worker thread's unbuilt() switch (decode steps in between take one query)
 
 
 def wanted() -> bool:
@@ -58,21 +41,6 @@ def wanted() -> bool:
 def install(model: Any) -> bool:
     """Wrap the attention function of ``model``'s module; return whether it has one (idempotent)."""
     return route(model, "small", _unfused_when_small)
-
-
-@contextmanager
-def unbuilt() -> Iterator[None]:
-    """Within: every chunk's attention on this thread runs unfused, however big (nothing is built).
-
-    For a chunk whose fused attention would build a graph inside another
-    generation's wait; see the module docstring.
-    """
-    before = getattr(_state, "on", False)
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = before
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -97,32 +65,6 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     return (weights @ values[:, :, None]).reshape(b, heads, n, values.shape[-1])
 
 
-def attend_in_blocks(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, block_scores: int | None = None
-) -> mx.array:
-    """:func:`attend`, in blocks of queries whose scores hold at most ``block_scores`` elements each.
-
-    ``block_scores``: default :data:`BLOCK_SCORES`. A ``"causal"`` mask is
-    written out per block over all the keys, so every block has one shape.
-    """
-    b, heads, n, _ = queries.shape
-    s = keys.shape[2]
-    block = max(1, (block_scores or BLOCK_SCORES) // (b * heads * s))
-    if block >= n:
-        return attend(queries, keys, values, scale, mask)
-    outs = []
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        if isinstance(mask, str):
-            part: Any = mx.arange(s)[None] <= (s - n + mx.arange(start, stop))[:, None]
-        elif mask is not None:
-            part = mask[..., start:stop, :] if mask.shape[-2] == n else mask
-        else:
-            part = None
-        outs.append(attend(queries[:, :, start:stop], keys, values, scale, part))
-    return mx.concatenate(outs, axis=2)
-
-
 def _grouped(mask: mx.array, kv_heads: int, groups: int) -> mx.array:
     """A ``(..., heads or 1, n, s)`` mask as ``(..., kv_heads, groups or 1, n, s)``."""
     while mask.ndim < 4:
@@ -142,13 +84,10 @@ def _unfused_when_small(
         or hasattr(cache, "bits")
         or not isinstance(keys, mx.array)
         or (isinstance(mask, str) and mask != "causal")
+        or queries.shape[0] * queries.shape[1] * n * keys.shape[2] > MAX_SCORES
     ):
         return None
-    if queries.shape[0] * queries.shape[1] * n * keys.shape[2] <= MAX_SCORES:
-        return attend(queries, keys, values, scale, mask)
-    if getattr(_state, "on", False):
-        return attend_in_blocks(queries, keys, values, scale, mask)
-    return None
+    return attend(queries, keys, values, scale, mask)
 
 
-__all__ = ["BLOCK_SCORES", "MAX_SCORES", "attend", "attend_in_blocks", "install", "unbuilt", "wanted"]
+__all__ = ["MAX_SCORES", "attend", "install", "wanted"]
