@@ -197,9 +197,13 @@ def together_vs_sequential(worker, name, prompts, max_tokens, budget, repeats, s
     }
 
 
-def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
-    """Stop a prompt whose tokens all come from the prefix cache, 0-20 ms after its submit."""
+def cached_stop_rounds(worker, name, ids, budget, rounds, rng, trace=False):
+    """Stop a prompt whose tokens all come from the prefix cache, 0-20 ms after its submit.
+
+    With ``trace``, a round over the budget keeps what the worker did from its submit to its end.
+    """
     worker.prompt_cache_gb = 64
+    tracer = CachedTrace()
     try:
         warm = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
         warm.result()
@@ -207,14 +211,18 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
         again.result()
         latencies, states, detail = [], {}, []
         for _ in range(rounds):
-            gen = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=100_000, stop_budget=budget)
-            delay = rng.uniform(0.0, 0.02)
-            time.sleep(delay)
-            state = str(gen.state)
-            t0 = time.perf_counter()
-            gen.cancel()
-            gen.wait()
-            latencies.append(time.perf_counter() - t0)
+            tracer.events.clear()
+            with GcPauses() as pauses, tracer if trace else contextlib.nullcontext():
+                t_submit = time.perf_counter()
+                gen = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=100_000, stop_budget=budget)
+                delay = rng.uniform(0.0, 0.02)
+                time.sleep(delay)
+                state = str(gen.state)
+                t0 = time.perf_counter()
+                gen.cancel()
+                gen.wait()
+                t1 = time.perf_counter()
+            latencies.append(t1 - t0)
             states[state] = states.get(state, 0) + 1
             detail.append(
                 {
@@ -222,8 +230,11 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng):
                     "state": state,
                     "tokens": len(gen.tokens),
                     "ms": round(1000 * latencies[-1], 2),
+                    "longest_gc_ms": round(1000 * pauses.longest, 2),
                 }
             )
+            if trace and latencies[-1] > budget:
+                detail[-1]["trace"] = [f"cancel at {1000 * (t0 - t_submit):+.1f}"] + tracer.around(t_submit, t1)
     finally:
         worker.prompt_cache_gb = 0
     return {
@@ -363,6 +374,30 @@ class Trace:
 
     def around(self, t0: float, t1: float) -> list[str]:
         return [f"{1000 * (t - t0):+.1f} {label}" for t, label in self.events if t0 - 0.001 <= t <= t1 + 0.001]
+
+
+class CachedTrace(Trace):
+    """What the worker did while a cached prompt started and stopped (``--trace``)."""
+
+    def __enter__(self):
+        from mlx_notebook import control
+        from mlx_notebook.generation import pieces, prefix_cache, session
+
+        self.wrap(session, "restore", "restore")
+        self.wrap(session, "prefill", "prefill")
+        self.wrap(session, "prepare_prompt", "prepare")
+        self.wrap(prefix_cache.PromptCache, "fetch", "fetch")
+        self.wrap(prefix_cache.PromptCache, "store", "store")
+        self.wrap(prefix_cache.PromptCache, "prune", "prune")
+        self.wrap(pieces.LayerRunner, "_hook", "hook")
+        self.wrap(pieces.LayerRunner, "logits", "logits")
+        self.wrap(control.Pace, "checkpoint", "checkpoint")
+        self.wrap(control.CancelToken, "mark_stopped", "mark_stopped")
+        self.wrap(session.Session, "_synchronize_quietly", "sync")
+        self.wrap(session.Session, "_keep_prefix", "keep_prefix")
+        self.wrap(session.Session, "_end", "end")
+        self.wrap(session.mx, "eval", "eval")
+        return self
 
 
 class Durations:
@@ -623,7 +658,9 @@ def main() -> None:
             save(result, args.out)
     if "cached_stop" not in skip and args.stop_rounds:
         ids = prompt_ids(args.join_length, vocab, seed=98)
-        result["cached_stop_ms"] = cached_stop_rounds(worker, name, ids, args.budget, args.stop_rounds, rng)
+        result["cached_stop_ms"] = cached_stop_rounds(
+            worker, name, ids, args.budget, args.stop_rounds, rng, trace=args.trace
+        )
         print(json.dumps(result["cached_stop_ms"]), flush=True)
         save(result, args.out)
     if "prefix" not in skip:
