@@ -58,7 +58,7 @@ import mlx.core as mx
 from benchmarks.bench import SYNTHETIC, gpu_state, open_model, percentile, prompt_ids, save
 from benchmarks.solo_engine import Engine
 from mlx_notebook.control import unpaced
-from mlx_notebook.generation import warm_up
+from mlx_notebook.generation import prefill_thread, warm_up
 from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
 from mlx_notebook.loading.policy import batch_decode
@@ -555,10 +555,13 @@ def main() -> None:
         "blas": mlx_notebook.active_blas(),
         "MLX_NOTEBOOK_BATCH": os.environ.get("MLX_NOTEBOOK_BATCH", "(unset: the default)"),
         "batch_decode": batch_decode(),
+        "MLX_NOTEBOOK_PREFILL_THREAD": os.environ.get("MLX_NOTEBOOK_PREFILL_THREAD", "(unset: the default)"),
+        "prefill_thread": prefill_thread.wanted(),
         "gpu_state": {"start": gpu_state()},
     }
+    keys = ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode", "prefill_thread", "gpu_state")
     print(
-        json.dumps({k: result[k] for k in ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode", "gpu_state")}),
+        json.dumps({k: result[k] for k in keys}),
         flush=True,
     )
     prompts = [prompt_ids(args.prompt_length, vocab, seed=i) for i in range(args.batch)]

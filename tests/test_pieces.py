@@ -112,3 +112,32 @@ def test_pause_inside_a_chunk_blocks_then_finishes_the_same() -> None:
     thread.join(10)
     for a, b in zip(states(reference), states(cache)):
         assert mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_layers_wrapped_on_one_thread_are_not_seen_on_another() -> None:
+    # The prefill thread feeds a joining prompt in layer groups while the worker
+    # thread builds decode steps (in marked pieces too): each must see only its own wrappers.
+    import mlx.nn as nn
+
+    from mlx_notebook.generation.pieces import MarkedLayers
+
+    owner = nn.Module()
+    owner.layers = [nn.Linear(2, 2) for _ in range(4)]
+    seen: dict[str, list[str]] = {}
+    inside, looked = threading.Event(), threading.Event()
+
+    def other() -> None:
+        assert inside.wait(10)
+        seen["other"] = [type(layer).__name__ for layer in owner.layers]
+        looked.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with MarkedLayers(owner, 2):
+        seen["this"] = [type(layer).__name__ for layer in owner.layers]
+        inside.set()
+        assert looked.wait(10)
+    thread.join(10)
+    assert seen == {"this": ["_CheckpointedLayer"] * 4, "other": ["Linear"] * 4}
+    assert [type(layer).__name__ for layer in owner.layers] == ["Linear"] * 4
+    assert len(owner.layers) == 4 and isinstance(owner.layers, list)

@@ -4,7 +4,7 @@ Shrinking prompt chunks bounds the stop latency but costs matmul efficiency.
 Every mlx-lm model of the common layout (embedding, a ``layers`` list, final
 norm, head) calls its layers one after the other, so instead of rewriting
 each architecture's forward pass we swap that list, for the duration of one
-chunk, for thin wrappers that evaluate the hidden state every ``group``
+chunk and for the calling thread only (:class:`_ThreadLayers`), for thin wrappers that evaluate the hidden state every ``group``
 layers and call the cancel checkpoint there. One group stays in flight while
 the next is queued, so the device never idles between pieces.
 
@@ -18,8 +18,9 @@ whole-chunk pieces; ``runner.pieces`` says which one is in use.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -47,6 +48,55 @@ class ChunkRunner:
         """Run the model on one chunk and evaluate the cache."""
         self.model(inputs, cache=self.cache)
         mx.eval([c.state for c in self.cache])
+
+
+class _ThreadLayers(list):
+    """A model's ``layers`` list that each thread may see replaced by its own list (wrappers) for a while.
+
+    The worker thread decodes (a step may be built in marked pieces) while a
+    prefill thread feeds a joining prompt in groups of layers (see
+    :mod:`.prefill_thread`): replacing the model's list itself would send one
+    thread's forward pass through the other's hooks. The list holds the real
+    layers; a thread's replacement is what that thread iterates, indexes and
+    counts.
+    """
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__(layers)
+        self._local = threading.local()
+
+    def swapped(self) -> list[Any] | None:
+        return getattr(self._local, "layers", None)
+
+    def swap(self, layers: list[Any] | None) -> list[Any] | None:
+        """Make ``layers`` (``None``: the real ones) what this thread sees; return what it saw before."""
+        before = self.swapped()
+        self._local.layers = layers
+        return before
+
+    def real(self) -> list[Any]:
+        return list(super().__iter__())
+
+    def __iter__(self) -> Iterator[Any]:
+        swapped = self.swapped()
+        return iter(swapped) if swapped is not None else super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        swapped = self.swapped()
+        return swapped[index] if swapped is not None else super().__getitem__(index)
+
+    def __len__(self) -> int:
+        swapped = self.swapped()
+        return len(swapped) if swapped is not None else super().__len__()
+
+
+def _thread_layers(owner: nn.Module) -> _ThreadLayers:
+    """``owner``'s layers list, made a :class:`_ThreadLayers` on first use."""
+    layers = owner.layers
+    if not isinstance(layers, _ThreadLayers):
+        layers = _ThreadLayers(layers)
+        owner.layers = layers
+    return layers
 
 
 class _CheckpointedLayer:
@@ -96,8 +146,8 @@ class LayerRunner:
         self._samples: list[tuple[float, float]] = []
         self._in_flight: list[mx.array] = []
         self._calls = 0
-        self._original: list[nn.Module] = []
         self._wrapped: list[Any] = []
+        self._outer: list[Any] | None = None  # what this thread saw before the swap
         self.outside_s = 0.0
 
     def _context(self) -> int:
@@ -146,11 +196,12 @@ class LayerRunner:
         # blocks in it): they see the real layers, and their time and the
         # pause are not this chunk's cost.
         t0 = time.perf_counter()
-        self.owner.layers = self._original
+        layers = _thread_layers(self.owner)
+        layers.swap(self._outer)
         try:
             self.pace.checkpoint()
         finally:
-            self.owner.layers = self._wrapped
+            layers.swap(self._wrapped)
             self.outside_s += time.perf_counter() - t0
 
     def seed(self, per_layer_token_s: float) -> None:
@@ -171,13 +222,13 @@ class LayerRunner:
         n_tokens = inputs.shape[-1]
         position = self._context() + n_tokens / 2
         self._plan(n_tokens)
-        original: list[nn.Module] = self.owner.layers
-        wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(original)]
+        layers = _thread_layers(self.owner)
+        wrapped = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(layers)]
         self._calls = 0
         self._in_flight = []
-        self._original, self._wrapped, self.outside_s = original, wrapped, 0.0
+        self._wrapped, self.outside_s = wrapped, 0.0
         t0 = time.perf_counter()
-        self.owner.layers = wrapped
+        self._outer = layers.swap(wrapped)
         try:
             out: mx.array = self.model(inputs, cache=self.cache)
         finally:
@@ -185,9 +236,9 @@ class LayerRunner:
             # drop the wrappers: they refer back to this runner (its hook),
             # which holds the KV cache; a cycle would keep the cache until
             # the garbage collector runs.
-            self.owner.layers = original
+            layers.swap(self._outer)
             self._in_flight = []
-            self._original, self._wrapped = [], []
+            self._wrapped, self._outer = [], None
         mx.eval([c.state for c in self.cache])
         elapsed = time.perf_counter() - t0 - self.outside_s
         if self._calls == 0:
@@ -217,24 +268,26 @@ class MarkedLayers:
         self.stopped = stopped
         self.marks: list[mx.array] = []
         self.built = 0  # layers whose part of the graph was built
-        self._original: list[nn.Module] = []
+        self._n = 0
+        self._outer: list[Any] | None = None
 
     def _hook(self, index: int, hidden: Any) -> None:
         self.built = index + 1
-        if (index + 1) % self.per == 0 and index + 1 < len(self._original) and isinstance(hidden, mx.array):
+        if (index + 1) % self.per == 0 and index + 1 < self._n and isinstance(hidden, mx.array):
             self.marks.append(hidden)
-        if self.stopped is not None and index + 1 < len(self._original) and self.stopped():
+        if self.stopped is not None and index + 1 < self._n and self.stopped():
             raise BuildStopped(self.built)
 
     def __enter__(self) -> MarkedLayers:
-        self._original = self.owner.layers
-        self.owner.layers = [_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(self._original)]
+        layers = _thread_layers(self.owner)
+        self._n = len(layers)
+        self._outer = layers.swap([_CheckpointedLayer(layer, i, self._hook) for i, layer in enumerate(layers)])
         return self
 
     def __exit__(self, *exc: object) -> None:
         # The wrappers refer back to this object: restore (and drop them) even when the forward raises.
-        self.owner.layers = self._original
-        self._original = []
+        _thread_layers(self.owner).swap(self._outer)
+        self._outer = None
 
 
 def layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:

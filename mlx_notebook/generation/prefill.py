@@ -60,6 +60,7 @@ def prefill(
     start: int = 0,
     kv: KVSettings | None = None,
     last: bool = False,
+    side: bool = False,
 ) -> mx.array | None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
@@ -81,13 +82,17 @@ def prefill(
     it a stop would otherwise wait for all of it (measured on an H200, Qwen3-8B
     shape, 8k cached: stop p99 14.8 ms against a 10 ms budget). Otherwise, and
     where layers cannot be grouped, ``None``: the first decode step feeds it.
+
+    ``side``: this runs on the prefill thread (:mod:`.prefill_thread`), whose
+    built shapes are its own.
     """
     total = len(prompt)
     to_process = total - 1
     ids = mx.array(prompt, dtype=mx.uint32)
     runner = prefill_runner(loaded, cache, pace)
     sink.stats.prefill_pieces = runner.pieces
-    shapes = loaded.prefill_shapes_seen if builds_kernels_per_shape() else None
+    seen = loaded.side_shapes_seen if side else loaded.prefill_shapes_seen
+    shapes = seen if builds_kernels_per_shape() else None
     planner = ChunkPlanner(loaded.prefill_cost, shapes)
     # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after
     # it, which needs plain KVCache layers.

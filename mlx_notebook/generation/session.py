@@ -6,7 +6,10 @@ one loads (once per session), prepares its prompt, starts from the longest
 cached prefix, prefills, then joins the :class:`~.decode_batch.DecodeBatch`.
 A prefill's checkpoints run one decode step of the batch, so the others keep
 streaming while a new prompt is read: between two of their tokens there is at
-most one prefill piece (sized to the budget) and one step.
+most one prefill piece (sized to the budget) and one step. Where the device
+builds kernels per shape, a prompt that joins rows already streaming is
+prefilled on the prefill thread instead (:mod:`.prefill_thread`), one at a
+time, while this loop steps the others; it joins at the loop's next look.
 
 Rows of the model's own cache share one batch; a row with a quantized or
 rotating cache (``kv_bits``, ``max_kv_size``) decodes in a batch of its own,
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -44,6 +49,7 @@ from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .persist import load_seed
 from .prefill import prefill
+from .prefill_thread import PrefillThread, SideJob
 from .prefix_cache import PromptCache, common_prefix, restore, storable, trimmed
 from .prompt import prepare_prompt
 from .states import State
@@ -72,6 +78,28 @@ class Jobs(Protocol):
     def wait_for_change(self, timeout: float) -> None:
         """Block until a job is queued or a request arrives, or ``timeout`` passes."""
         ...
+
+    def prefill_thread(self) -> PrefillThread | None:
+        """The thread that prefills prompts joining a decoding batch, or ``None`` where they are fed in turn."""
+        ...
+
+
+@dataclass
+class _Side:
+    """A prompt being prefilled on the prefill thread while the session steps the others.
+
+    The prefill thread publishes ``fed``, the prompt's length, once it is
+    known; the session (worker thread) then allocates the batch's buffers for
+    the join a layer per loop (``reserve``), as ``Session.between`` does for a
+    prompt fed in turn. A pause drops them (``dropped``).
+    """
+
+    reporter: Reporter
+    job: SideJob | None = None
+    fed: int | None = None
+    reserve: batch_cache.Reserve | None = None
+    reserved: bool = False
+    dropped: threading.Event = field(default_factory=threading.Event)
 
 
 class _PauseHooks:
@@ -136,6 +164,8 @@ class Session:
         self._timed: tuple[float, int] | None = None
         # The shared batch's cache after the prompt being prefilled joins, allocated a layer per checkpoint.
         self._reserve: batch_cache.Reserve | None = None
+        # The prompt being prefilled on the prefill thread, if any.
+        self._side: _Side | None = None
 
     # -- the loop -----------------------------------------------------------------
 
@@ -149,17 +179,23 @@ class Session:
                     self.jobs.run_inline_calls()
                     for batch in self._live_batches():
                         batch.poll_parked()
-                    job = self.jobs.take_joiner(self.key, self._fits)
+                    if self._side is not None:
+                        self._follow_side()
+                    job = self.jobs.take_joiner(self.key, self._fits) if self._side is None else None
                     if job is not None:
                         self._timed = None
                         self._start(job, stack)
                     elif self._has_work():
                         self._timed_step()
-                    elif any(b.parked for b in self.batches.values()):
+                    elif self._side is not None or any(b.parked for b in self.batches.values()):
                         self.jobs.wait_for_change(IDLE_WAIT_S)
                     else:
                         return
         finally:
+            if self._side is not None and self._side.job is not None:
+                # A bug ended the loop while a prompt was prefilled beside it: stop it, and wait (it uses the model).
+                self._side.reporter.generation.token.cancel()
+                self._side.job.done.wait()
             # A batch refers back to the session (its on_leave): break the
             # cycle so that what it holds goes now, not at the next collection.
             for batch in self.batches.values():
@@ -241,8 +277,24 @@ class Session:
             self._end(reporter, State.STOPPED, None)
             return
         self.running.append(reporter)
-        hooks = _PauseHooks(reporter, self.stream, release=self._drop_reserve)
-        pace = Pace(
+        thread = self.jobs.prefill_thread() if self._streaming() and self.loaded is not None else None
+        if thread is not None and KVSettings.of(gen.request).plain:
+            side = self._side = _Side(reporter)
+            side.job = thread.submit(lambda stream: self._prefilled_row(reporter, stack, stream, side))
+            return
+        row = self._prefilled_row(reporter, stack, self.stream, None)
+        if row is not None:
+            self._batch_for(reporter, row.kv).add(row)
+
+    def _pace(self, reporter: Reporter, stream: mx.Stream, side: _Side | None) -> Pace:
+        """A generation's pace: on the worker thread its checkpoints step the others (and a pause does too);
+        on the prefill thread they only check (the worker steps the others meanwhile)."""
+        gen = reporter.generation
+        if side is not None:
+            hooks = _PauseHooks(reporter, stream, release=side.dropped.set)
+            return Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
+        hooks = _PauseHooks(reporter, stream, release=self._drop_reserve)
+        return Pace(
             gen.token,
             gen.request.stop_budget,
             on_pause=hooks.on_pause,
@@ -251,19 +303,33 @@ class Session:
             while_paused=self._while_paused,
             shared=self._streaming,
         )
+
+    def _prefilled_row(
+        self, reporter: Reporter, stack: contextlib.ExitStack, stream: mx.Stream, side: _Side | None
+    ) -> Row | None:
+        """Load, prepare and prefill one generation on ``stream``: its row, or ``None`` when it ended (stopped, failed).
+
+        ``side``: on the prefill thread (the model is loaded; the session
+        reserves the join's buffers from the length published there).
+        """
+        gen = reporter.generation
+        pace = self._pace(reporter, stream, side)
         start = time.perf_counter()
         cache: Cache | None = None
         fed: list[int] = []
         try:
-            with mx.stream(self.stream):
+            with mx.stream(stream):
                 reporter.set_state(State.LOADING)
-                if self.loaded is None:
-                    mx.reset_peak_memory()
-                loaded = self.store.get(
-                    gen.request.model,
-                    pace,
-                    progress=lambda done, total, step: reporter.progress(f"load: {step}", done, total),
-                )
+                if side is not None and self.loaded is not None:
+                    loaded = self.loaded
+                else:
+                    if self.loaded is None:
+                        mx.reset_peak_memory()
+                    loaded = self.store.get(
+                        gen.request.model,
+                        pace,
+                        progress=lambda done, total, step: reporter.progress(f"load: {step}", done, total),
+                    )
                 gen.stats.load_s = time.perf_counter() - start
                 if self.loaded is None:
                     self._open(loaded, stack)
@@ -283,16 +349,21 @@ class Session:
                 cache, cached = self._start_cache(loaded, reporter, fed, kv, pace)
                 gen.stats.cached_tokens = cached
                 prefill_start = time.perf_counter()
-                shared = self.batches.get(_SHARED)
-                self._reserve = shared.reserve_for(len(fed)) if kv.plain and shared is not None else None
-                try:
-                    # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
-                    first = prefill(
-                        loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
-                    )
-                    reserve = self._reserve
-                finally:
-                    self._reserve = None
+                reserve = None
+                if side is not None:
+                    side.fed = len(fed)
+                    first = prefill(loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, side=True)
+                else:
+                    shared = self.batches.get(_SHARED)
+                    self._reserve = shared.reserve_for(len(fed)) if kv.plain and shared is not None else None
+                    try:
+                        # A lone generation's first forward is stoppable in layer groups (see prefill's last=).
+                        first = prefill(
+                            loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, last=not self._decoding()
+                        )
+                        reserve = self._reserve
+                    finally:
+                        self._reserve = None
             row = Row(reporter, pace, gen.request, prompt, cache, fed[-1], start, prefill_start)
             row.first_logits = first
             row.reserve = reserve
@@ -300,18 +371,45 @@ class Session:
                 row.tokens = list(resume.tokens)
                 if resume.key is not None:
                     row.sample.key = mx.array(resume.key, dtype=mx.uint32)
-            self._batch_for(reporter, kv).add(row)
+            return row
         except Cancelled:
-            if not self._decoding():
-                self._synchronize_quietly()
+            if side is not None or not self._decoding():
+                _synchronize_quietly(stream)
             if cache is not None and self.loaded is not None:
                 self._keep_prefix(fed, cache, KVSettings.of(gen.request))
             gen.stats.stop_latency_s = gen.token.mark_stopped()
             self._end(reporter, State.STOPPED, None)
         except Exception as exc:  # MLX RuntimeError, bad input: fail this one only
-            self._synchronize_quietly()
+            _synchronize_quietly(stream)
             log.debug("generation #%s failed", gen.id, exc_info=True)
             self._end(reporter, State.FAILED, exc)
+        return None
+
+    def _follow_side(self) -> None:
+        """Between two steps: reserve the join's buffers for the prompt prefilled beside, and join it once read."""
+        side = self._side
+        assert side is not None
+        self._timed = None  # a step beside a prefill is not one step's time
+        if side.dropped.is_set():
+            side.reserve = None
+        elif side.fed is not None and not side.reserved:
+            side.reserved = True
+            shared = self.batches.get(_SHARED)
+            side.reserve = shared.reserve_for(side.fed) if shared is not None else None
+        elif side.reserve is not None and not side.reserve.done:
+            side.reserve.advance()
+        if side.job is None or not side.job.done.is_set():
+            return
+        self._side = None
+        if side.job.error is not None:
+            raise side.job.error
+        row: Row | None = side.job.result
+        if row is None:
+            return
+        row.reserve = None if side.dropped.is_set() else side.reserve
+        # From now on its checkpoints (a constrained row's wait, a pause) are the worker's.
+        row.pace = self._pace(side.reporter, self.stream, None)
+        self._batch_for(side.reporter, row.kv).add(row)
 
     def _start_cache(
         self, loaded: LoadedModel, reporter: Reporter, fed: list[int], kv: KVSettings, pace: Pace
@@ -454,10 +552,14 @@ class Session:
         self.on_end(reporter, state, error)
 
     def _synchronize_quietly(self) -> None:
-        try:
-            mx.synchronize(self.stream)
-        except Exception:  # the device error is already being reported
-            log.debug("synchronize after error failed", exc_info=True)
+        _synchronize_quietly(self.stream)
+
+
+def _synchronize_quietly(stream: mx.Stream) -> None:
+    try:
+        mx.synchronize(stream)
+    except Exception:  # the device error is already being reported
+        log.debug("synchronize after error failed", exc_info=True)
 
 
 def _fit_blas_threads(rows: int = 1) -> None:

@@ -45,7 +45,7 @@ import mlx.core as mx
 from ..control import CancelToken, Pace
 from ..errors import InvalidArgumentError
 from ..loading.store import ModelStore, Tokenizer
-from . import warm_up
+from . import prefill_thread, warm_up
 from .handle import Generation, Reporter
 from .persist import read_resume
 from .prefix_cache import DEFAULT_PROMPT_CACHE_GB, GB
@@ -121,6 +121,8 @@ class Worker:
         self._cleanup_due = False
         self.history: list[Generation] = []
         self.stream: mx.Stream | None = None
+        # Made on first use where wanted (prefill_thread.wanted), ended with the worker thread.
+        self._prefill: prefill_thread.PrefillThread | None = None
 
     # -- submitting -------------------------------------------------------------
 
@@ -284,6 +286,14 @@ class Worker:
             if not self._queue and not self._inline and not self._closed:
                 self._cond.wait(timeout)
 
+    def prefill_thread(self) -> prefill_thread.PrefillThread | None:
+        """The thread that prefills prompts joining a decoding batch (see :mod:`.prefill_thread`), or ``None``."""
+        if not prefill_thread.wanted():
+            return None
+        if self._prefill is None:
+            self._prefill = prefill_thread.PrefillThread(on_done=self._wake)
+        return self._prefill
+
     @property
     def prompt_cache_gb(self) -> float:
         """Bound of each model's prompt cache, in GB (0: off); setting it evicts at once."""
@@ -410,6 +420,8 @@ class Worker:
             # objects after the interpreter may have begun finalizing, which
             # aborts the process ("terminate called without an active
             # exception", mlx 0.32; see ml-explore/mlx#4327, #4373).
+            if self._prefill is not None:
+                self._prefill.close()
             self._synchronize_quietly()
             mx.clear_streams()
 

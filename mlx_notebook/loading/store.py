@@ -90,7 +90,11 @@ class LoadedModel:
           from the last generation, so the next starts with right-sized
           chunks. Default: ``None`` (not measured yet).
         prefill_shapes_seen: ``(start, size)`` of the prefill chunks run so
-          far (devices that build kernels per shape). Default: empty.
+          far on the worker thread (devices that build kernels per shape).
+          Default: empty.
+        side_shapes_seen: The same for the prefill thread of prompts that
+          join a decoding batch (``generation.prefill_thread``): MLX keeps
+          the built kernels per thread. Default: empty.
         layer_pieces: Cut prefill chunks between groups of layers where the
           model's layout allows; ``False`` runs whole chunks (benchmarks
           compare both). Default: ``True``.
@@ -117,6 +121,7 @@ class LoadedModel:
     load_s: float
     prefill_cost: tuple[float, float] | None = None
     prefill_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
+    side_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
     layer_pieces: bool = True
     folder: Path | None = None
     prompt_cache: Any = None
