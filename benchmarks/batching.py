@@ -50,6 +50,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -344,11 +345,13 @@ class Trace:
         events = self.events
 
         def traced(*args, **kwargs):
-            events.append((time.perf_counter(), label + ">"))
+            # "p:" marks the prefill thread's calls (a prompt joining beside the others' steps).
+            name = ("p:" if threading.current_thread().name == "mlx-notebook-prefill" else "") + label
+            events.append((time.perf_counter(), name + ">"))
             try:
                 return original(*args, **kwargs)
             finally:
-                events.append((time.perf_counter(), label + "<"))
+                events.append((time.perf_counter(), name + "<"))
 
         setattr(owner, attr, traced)
         self._undo.append((owner, attr, original))

@@ -90,6 +90,12 @@ def prefill(
     to_process = total - 1
     ids = mx.array(prompt, dtype=mx.uint32)
     runner = prefill_runner(loaded, cache, pace)
+    if side:
+        # Beside the others' steps the device interleaves the two streams kernel by kernel: a chunk of
+        # many layer groups (chunk_budget_factor) made the others' kernels wait behind long ones (H200,
+        # Qwen3-8B shape: their longest gap 53-70 ms, budget + 2 steps 36-45). Chunks that fit the budget
+        # whole keep the kernels short; layer groups still bound this prompt's own stop.
+        runner.chunk_budget_factor = 1.0
     sink.stats.prefill_pieces = runner.pieces
     seen = loaded.side_shapes_seen if side else loaded.prefill_shapes_seen
     shapes = seen if builds_kernels_per_shape() else None
