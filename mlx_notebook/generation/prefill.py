@@ -1,7 +1,9 @@
 """The prefill loop: a prompt fed through the model in pieces that each fit the stop budget.
 
 Every prefill runs here: a generation alone, one that joins a decoding batch
-(:mod:`.session`, whose pace runs the other rows' steps at the checkpoints)
+(:mod:`.session`, whose pace runs the other rows' steps at the checkpoints, or,
+where kernels are built per shape, on the prefill thread beside those steps:
+:mod:`.prefill_thread`)
 and one on the ranks of a cluster (:mod:`mlx_notebook.cluster.steps`, whose
 pace agrees every decision across ranks). The loop asks its pace to *agree*
 each chunk size (:meth:`~mlx_notebook.control.Pace.agree`): one process takes
