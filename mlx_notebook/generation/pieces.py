@@ -4,8 +4,9 @@ Shrinking prompt chunks bounds the stop latency but costs matmul efficiency.
 Every mlx-lm model of the common layout (embedding, a ``layers`` list, final
 norm, head) calls its layers one after the other, so instead of rewriting
 each architecture's forward pass we swap that list, for the duration of one
-chunk and for the calling thread only (:class:`_ThreadLayers`), for thin wrappers that evaluate the hidden state every ``group``
-layers and call the cancel checkpoint there. One group stays in flight while
+chunk and for the calling thread only (:class:`_ThreadLayers`), for thin
+wrappers that evaluate the hidden state every ``group`` layers and call the
+cancel checkpoint there. One group stays in flight while
 the next is queued, so the device never idles between pieces.
 
 A pause blocks inside the forward pass (the KV cache stays consistent and
@@ -73,9 +74,6 @@ class _ThreadLayers(list):
         before = self.swapped()
         self._local.layers = layers
         return before
-
-    def real(self) -> list[Any]:
-        return list(super().__iter__())
 
     def __iter__(self) -> Iterator[Any]:
         swapped = self.swapped()
