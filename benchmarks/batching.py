@@ -459,8 +459,14 @@ def step_profile(worker, name, prompts, max_tokens, budget):
     }
 
 
-def join_gap(worker, name, prompts, join_ids, budget, trace=False):
-    """Others' longest inter-token gap while a long prompt prefills and joins."""
+def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=12):
+    """Others' longest inter-token gap while a long prompt prefills and joins, and where it fell.
+
+    The joiner decodes ``after_tokens`` tokens with the others, so the window
+    ends with steps at the joined size: every row then attends over the
+    joiner's length (one rectangular cache), so those steps are longer than
+    the ones before the join, and "budget + 2 steps" is given for both.
+    """
     gens = [
         mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
     ]
@@ -468,7 +474,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False):
     wait_decoding(gens, 8)
     tracer = Trace()
     with GcPauses() as pauses, tracer if trace else contextlib.nullcontext():
-        joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
+        joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=after_tokens, stop_budget=budget)
+        jclock = TokenClock([joiner])
         t_join = time.perf_counter()
         joiner.result()
         t_end = time.perf_counter()
@@ -476,14 +483,24 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False):
         g.cancel()
     for g in gens:
         g.wait()
-    gaps, steps, spans = [], [], []
+    t_first = jclock.times[joiner.id][0]  # the joiner's first token: its prefill is over, its row admitted
+    gaps, steps, spans, after = [], [], [], []
+    where: dict[str, float] = {"prefill": 0.0, "admit": 0.0, "after": 0.0}
     for g in gens:
         t = clock.times[g.id]
         before = [b - a for a, b in zip(t, t[1:]) if b < t_join]
         steps += before[-8:]
-        gaps += [b - a for a, b in zip(t, t[1:]) if b >= t_join and a <= t_end]
-        spans += [(b - a, a, b) for a, b in zip(t, t[1:]) if b >= t_join and a <= t_end]
+        for a, b in zip(t, t[1:]):
+            if b < t_join or a > t_end:
+                continue
+            gaps.append(b - a)
+            spans.append((b - a, a, b))
+            phase = "prefill" if b < t_first else "admit" if a < t_first + 0.001 else "after"
+            where[phase] = max(where[phase], b - a)
+            if phase == "after":
+                after.append(b - a)
     step = statistics.median(steps)
+    step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
         _, a, b = max(spans)
         print("longest gap:", " | ".join(tracer.around(a, b)), flush=True)
@@ -493,8 +510,11 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False):
         "others_max_gap_ms": 1000 * max(gaps),
         "others_p99_gap_ms": 1000 * percentile(gaps, 99),
         "longest_gc_ms": 1000 * pauses.longest,
+        "others_max_gap_by_phase_ms": {k: round(1000 * v, 2) for k, v in where.items()},
         "others_step_ms": 1000 * step,
+        "others_step_after_join_ms": 1000 * step_after,
         "budget_plus_2_steps_ms": 1000 * (budget + 2 * step),
+        "budget_plus_2_steps_after_ms": 1000 * (budget + 2 * step_after),
     }
 
 
