@@ -223,9 +223,6 @@ class Pace:
           now: a piece then finishes its device work before the checkpoint,
           so that their step does not also wait for work queued behind it.
           Default: ``None`` (never).
-        turn: Called before each chunk size is agreed (:meth:`agree`), not
-          at every checkpoint: a prompt prefilled on a thread beside decoding
-          rows waits there for their next step. Default: ``None``.
     """
 
     token: CancelToken
@@ -235,7 +232,6 @@ class Pace:
     between: Hook | None = None
     while_paused: Hook | None = None
     shared: Callable[[], bool] | None = None
-    turn: Hook | None = None
 
     @property
     def requested(self) -> bool:
@@ -258,8 +254,6 @@ class Pace:
         Raises:
             Cancelled: A stop was requested.
         """
-        if self.turn is not None:
-            self.turn()
         self.checkpoint()
         return proposal
 

@@ -9,7 +9,6 @@ land in the side prefill, and the others keep streaming through them.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -145,44 +144,3 @@ def test_the_default_prefills_in_turn_off_cuda(worker, tiny_model, prefill_threa
     first.cancel()
     assert first.wait(60)
     assert prefill_threads == ["mlx-notebook-worker", "mlx-notebook-worker"]
-
-
-def test_the_side_prefill_takes_one_chunk_per_step_of_the_others(side_worker, tiny_model, prefill_threads, monkeypatch):
-    # Two streams share a device without priorities: chunks queued back to back beside a step stretch
-    # it by all of them (StepTurns). A slow step (a large batch, a slow device) must still let only
-    # one chunk go at a time: between the starts of two chunks, at least one of the others' tokens.
-    from mlx_notebook.generation.decode_batch import DecodeBatch
-
-    real_step = DecodeBatch.step
-
-    def slow_step(self, *args, **kwargs):
-        time.sleep(0.02)
-        return real_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeBatch, "step", slow_step)
-    keep_going = endless(side_worker, tiny_model)
-    first = mlx_notebook.generate(PROMPT, model=tiny_model, worker=side_worker, **keep_going)
-    wait_tokens(first, 5)
-    lock = threading.Lock()
-    timeline: list[str] = []
-
-    def record(event) -> None:
-        if event.kind == "tokens" and event.generation is first:
-            with lock:
-                timeline.append("token")
-        elif event.kind == "progress" and event.phase == "prefill":
-            with lock:
-                timeline.append("chunk")
-
-    first.add_listener(record)
-    joiner = mlx_notebook.generate(LONG, model=tiny_model, worker=side_worker, max_tokens=2, stop_budget=0.005)
-    joiner.add_listener(record)
-    joiner.result(timeout=120)
-    first.cancel()
-    assert first.wait(60)
-    assert prefill_threads[-1] == PREFILL_THREAD
-    chunks = [i for i, kind in enumerate(timeline) if kind == "chunk"]
-    assert len(chunks) >= 6, f"too few chunks to tell: {len(chunks)}"
-    # Chunk k+1 starts after a step that ended after chunk k started, i.e. after progress k-1 was reported.
-    crowded = [k for k in range(2, len(chunks)) if "token" not in timeline[chunks[k - 2] : chunks[k]]]
-    assert not crowded, f"chunks ran with no step of the others between them: {crowded} of {len(chunks)}"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,66 +56,6 @@ class SideJob:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
-
-
-class StepTurns:
-    """One chunk of a prompt prefilled beside per decode step of the others.
-
-    Two streams share the device without priorities: while the prefill
-    thread keeps its chunks queued back to back, every kernel of the others'
-    step waits behind some of them, and a step took as long as the prefill
-    work queued beside it. Measured on an H200 (Qwen3-8B shape, 7 rows of
-    512 decoding, an 8k prompt joining; ``benchmarks/results/
-    h200_join_phases_*_session25.log``): one step of the others stretched
-    from 11 to 45 ms while one and a half chunks of the prompt ran beside it,
-    so their longest gap was 38-50 ms against a budget + 2 steps of 28-43 ms.
-    Here the prefill thread waits, before each chunk, for the worker's next
-    step: at most one chunk (sized to the budget) lies between two of their
-    tokens. While the worker has no step to run (:meth:`idle`) nothing waits.
-
-    The worker calls :meth:`stepped` after each step and :meth:`idle` when it
-    waits for work; the prefill thread calls the function :meth:`waiter` made.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._steps = 0
-        self._idle = False
-
-    def stepped(self) -> None:
-        with self._cond:
-            self._steps += 1
-            self._idle = False
-            self._cond.notify_all()
-
-    def idle(self) -> None:
-        with self._cond:
-            if not self._idle:
-                self._idle = True
-                self._cond.notify_all()
-
-    def waiter(self, stop_requested: Callable[[], bool], slice_s: float, deadline_s: float) -> Callable[[], None]:
-        """A function that returns once the worker stepped since its previous call (the first returns at once).
-
-        It also returns when ``stop_requested()`` (checked every ``slice_s``, so
-        a stop waits no longer here than at a checkpoint) or after
-        ``deadline_s``: a step slower than that lets the next chunk go.
-        """
-        seen: list[int] = []
-
-        def wait() -> None:
-            with self._cond:
-                if seen:
-                    deadline = time.monotonic() + deadline_s
-                    moved = lambda: self._steps != seen[0] or self._idle  # noqa: E731
-                    while not moved() and not stop_requested():
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._cond.wait(min(slice_s, left))
-                seen[:] = [self._steps]
-
-        return wait
 
 
 class PrefillThread:
@@ -187,4 +126,4 @@ class PrefillThread:
             mx.clear_streams()
 
 
-__all__ = ["PrefillThread", "SideJob", "StepTurns", "wanted"]
+__all__ = ["PrefillThread", "SideJob", "wanted"]

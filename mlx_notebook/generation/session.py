@@ -49,7 +49,7 @@ from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .persist import load_seed
 from .prefill import prefill
-from .prefill_thread import PrefillThread, SideJob, StepTurns
+from .prefill_thread import PrefillThread, SideJob
 from .prefix_cache import PromptCache, common_prefix, restore, storable, trimmed
 from .prompt import prepare_prompt
 from .states import State
@@ -82,10 +82,6 @@ class Jobs(Protocol):
     def prefill_thread(self) -> PrefillThread | None:
         """The thread that prefills prompts joining a decoding batch, or ``None`` where they are fed in turn."""
         ...
-
-
-# Longest a chunk of a prompt prefilled beside waits for the others' next step (StepTurns): a slower step lets it go.
-SIDE_TURN_WAIT_S = 0.1
 
 
 @dataclass
@@ -168,9 +164,8 @@ class Session:
         self._timed: tuple[float, int] | None = None
         # The shared batch's cache after the prompt being prefilled joins, allocated a layer per checkpoint.
         self._reserve: batch_cache.Reserve | None = None
-        # The prompt being prefilled on the prefill thread, if any, and its chunks' turns (one per step here).
+        # The prompt being prefilled on the prefill thread, if any.
         self._side: _Side | None = None
-        self._turns = StepTurns()
 
     # -- the loop -----------------------------------------------------------------
 
@@ -193,7 +188,6 @@ class Session:
                     elif self._has_work():
                         self._timed_step()
                     elif self._side is not None or any(b.parked for b in self.batches.values()):
-                        self._turns.idle()  # no step to wait for: the prompt beside goes on
                         self.jobs.wait_for_change(IDLE_WAIT_S)
                     else:
                         return
@@ -228,7 +222,6 @@ class Session:
         """
         rows = sum(len(b.rows) for b in self.batches.values() if b.has_work())
         self._step(rows)
-        self._turns.stepped()
         now = time.perf_counter()
         if self._timed is not None and self._timed[1] == rows:
             step_took(rows, now - self._timed[0])
@@ -299,11 +292,7 @@ class Session:
         gen = reporter.generation
         if side is not None:
             hooks = _PauseHooks(reporter, stream, release=side.dropped.set)
-            budget = gen.request.stop_budget
-            turn = self._turns.waiter(
-                lambda: gen.token.cancelled or gen.token.pause_requested, min(0.005, budget / 2), SIDE_TURN_WAIT_S
-            )
-            return Pace(gen.token, budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume, turn=turn)
+            return Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
         hooks = _PauseHooks(reporter, stream, release=self._drop_reserve)
         return Pace(
             gen.token,
