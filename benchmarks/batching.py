@@ -484,7 +484,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     for g in gens:
         g.wait()
     t_first = jclock.times[joiner.id][0]  # the joiner's first token: its prefill is over, its row admitted
-    gaps, steps, spans, after = [], [], [], []
+    steps, spans, after = [], [], []
     where: dict[str, float] = {"prefill": 0.0, "admit": 0.0, "after": 0.0}
     for g in gens:
         t = clock.times[g.id]
@@ -493,12 +493,13 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         for a, b in zip(t, t[1:]):
             if b < t_join or a > t_end:
                 continue
-            gaps.append(b - a)
             spans.append((b - a, a, b))
+            # The admit step's tokens are reported with the joiner's first, a little after it (1 ms).
             phase = "prefill" if b < t_first else "admit" if a < t_first + 0.001 else "after"
             where[phase] = max(where[phase], b - a)
             if phase == "after":
                 after.append(b - a)
+    gaps = [gap for gap, _, _ in spans]
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
