@@ -17,6 +17,11 @@ from mlx_notebook import Worker
 from mlx_notebook.generation import warm_up
 
 PROMPT = "Once upon a time the quick brown fox"
+# Waits here catch a hang, not a slow machine: CI's run of 12-04 had this file's ladder tests
+# run 30-80x slower than anywhere else for four minutes (a 12-token generation unfinished
+# after 120 s, the tests before and after at their usual speed). A failed test's report says
+# what the machine did meanwhile (testkit.machine); pytest's own timeout is 600 s.
+DEADLINE_S = 300
 
 
 @pytest.fixture
@@ -39,7 +44,7 @@ def warmed_runs(monkeypatch):
 
 def greedy_tokens(worker: Worker, model: str) -> list[int]:
     gen = mlx_notebook.generate(PROMPT, model=model, worker=worker, max_tokens=12)
-    gen.result(timeout=120)
+    gen.result(timeout=DEADLINE_S)
     assert gen.state == "done"
     return gen.tokens
 
@@ -63,7 +68,7 @@ def test_an_idle_worker_warms_a_loaded_model_once_and_its_tokens_do_not_change(
     try:
         worker.load_model(tiny_model)
         with ended:
-            assert ended.wait_for(lambda: len(runs) == 1, timeout=60), "no warm-up after the load"
+            assert ended.wait_for(lambda: len(runs) == 1, timeout=DEADLINE_S), "no warm-up after the load"
         assert greedy_tokens(worker, tiny_model) == expected
         worker.call(lambda store: None)  # another idle moment: nothing more to warm
         assert greedy_tokens(worker, tiny_model) == expected
@@ -91,7 +96,7 @@ def test_a_generation_waiting_behind_the_warm_up_stops_at_once(tiny_model, monke
 
     def slow(loaded):
         started.set()
-        release.wait(60)  # a first forward that takes long (seconds on a fresh CUDA process)
+        release.wait(DEADLINE_S)  # a first forward that takes long (seconds on a fresh CUDA process)
         real(loaded)
 
     monkeypatch.setattr(warm_up, "wanted", lambda: True)
@@ -99,7 +104,7 @@ def test_a_generation_waiting_behind_the_warm_up_stops_at_once(tiny_model, monke
     worker = Worker(prompt_cache_gb=0)
     try:
         worker.load_model(tiny_model)
-        assert started.wait(60)
+        assert started.wait(DEADLINE_S)
         waiting = mlx_notebook.generate(PROMPT, model=tiny_model, worker=worker, max_tokens=12)
         assert waiting.state == "queued"
         waiting.cancel()
@@ -107,7 +112,7 @@ def test_a_generation_waiting_behind_the_warm_up_stops_at_once(tiny_model, monke
         assert waiting.stats.stop_latency_s is not None and waiting.stats.stop_latency_s < 0.1
         after = mlx_notebook.generate(PROMPT, model=tiny_model, worker=worker, max_tokens=12)
         release.set()
-        after.result(timeout=120)
+        after.result(timeout=DEADLINE_S)
         assert after.state == "done" and len(after.tokens) == 12
     finally:
         release.set()
@@ -152,7 +157,7 @@ def test_the_ladder_runs_each_chunk_on_the_cache_layout_a_prompts_prefill_leaves
         loaded = worker.store.loaded()[0]
         in_prompt = buffers_after_each_update(monkeypatch)
         gen = mlx_notebook.generate([5 + i % 200 for i in range(2000)], model=tiny_model, worker=worker, max_tokens=1)
-        gen.result(timeout=120)
+        gen.result(timeout=DEADLINE_S)
         # The big chunks, powers of two (the last, the prompt's rest, has a length of its own).
         prompt_chunks = {k: v for k, v in in_prompt.items() if k[1] >= 256 and k[1] & (k[1] - 1) == 0}
         assert len(prompt_chunks) >= 2, in_prompt
@@ -200,7 +205,7 @@ def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_f
     def held_chunk(model, owner, cache, start, size):
         if size >= 256 and not release.is_set():
             in_chunk.set()
-            release.wait(60)  # a ladder chunk still running when the generation is submitted
+            release.wait(DEADLINE_S)  # a ladder chunk still running when the generation is submitted
         real_chunk(model, owner, cache, start, size)
 
     def recording(loaded, keep_going):
@@ -216,14 +221,14 @@ def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_f
     worker = Worker(prompt_cache_gb=0)
     try:
         worker.load_model(tiny_model)
-        assert in_chunk.wait(60), "no ladder after the load"
+        assert in_chunk.wait(DEADLINE_S), "no ladder after the load"
         gen = mlx_notebook.generate(PROMPT, model=tiny_model, worker=worker, max_tokens=12)
         assert gen.state == "queued"
         release.set()
-        gen.result(timeout=120)
+        gen.result(timeout=DEADLINE_S)
         assert gen.state == "done" and len(gen.tokens) == 12
         with ended:
-            assert ended.wait_for(lambda: True in results, timeout=120), results
+            assert ended.wait_for(lambda: True in results, timeout=DEADLINE_S), results
         assert results[0] is False  # given up for the generation, then taken up again
         loaded = worker.store.loaded()[0]
         assert loaded.ladder_warmed and warm_up.ladder(loaded) == []
@@ -247,7 +252,7 @@ def test_a_prompts_rest_runs_padded_to_a_ladder_chunk_and_its_tokens_do_not_chan
 
         def run() -> list[int]:
             gen = mlx_notebook.generate(prompt, model=tiny_model, worker=worker, max_tokens=8)
-            gen.result(timeout=120)
+            gen.result(timeout=DEADLINE_S)
             assert gen.state == "done"
             return gen.tokens
 
