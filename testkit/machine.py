@@ -2,22 +2,23 @@
 
 A test that missed a deadline because the machine was slow reads like one
 that hung: CI's failure on 2026-12-04 had three ladder tests of
-tests/test_warm_up.py run 30-80x slower than anywhere else (37 s, 46 s,
+tests/test_warm_up.py run 30-300x slower than anywhere else (37 s, 46 s,
 then a 12-token generation still decoding after 120 s), the tests before
 and after them at their usual speed, and nothing to tell a stalled machine
 from a stalled worker. So every test's call is bracketed by two readings of
 ``/proc`` (a few ms), and a failed one's report gets a section: the CPU time
 this process and the others used, the time the hypervisor took (steal), the
-load, which processes took the most, and this process's threads' CPU time
-(a worker that burnt its time computing, or waited). Linux only; elsewhere
-the section says so.
+load, which processes took the most, and the CPU time of this process's
+threads still alive at the end (a thread that ended meanwhile, such as a
+worker the test shut down, counts in the process's total only). Linux only;
+elsewhere the section says so.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
@@ -27,9 +28,9 @@ _PROC = Path("/proc")
 @dataclass
 class Reading:
     wall: float
-    cpu: dict[str, float] = field(default_factory=dict)  # /proc/stat's first line, seconds by field
-    processes: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (name, CPU seconds)
-    threads: dict[int, tuple[str, float]] = field(default_factory=dict)  # this process's tid -> (name, CPU s)
+    cpu: dict[str, float]  # /proc/stat's first line, seconds by field
+    processes: dict[int, tuple[str, float]]  # pid -> (name, CPU seconds)
+    threads: dict[int, tuple[str, float]]  # this process's live tid -> (name, CPU seconds)
 
 
 _CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")

@@ -15,11 +15,10 @@ pytestmark = pytest.mark.unit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_another_process_busy_meanwhile_is_counted_as_the_others_and_named() -> None:
     before = machine.take()
-    busy = subprocess.run(
+    subprocess.run(
         [sys.executable, "-c", "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"],
         check=True,
     )
-    assert busy.returncode == 0
     after = machine.take()
     assert before is not None and after is not None
     lines = machine.report(before, after).splitlines()
