@@ -86,7 +86,8 @@ def report(before: Reading | None, after: Reading | None) -> str:
     cores = os.cpu_count() or 1
     lines = [
         f"wall {wall:.1f} s on {cores} cores; busy {busy:.1f} core-s: this process {own:.1f}, "
-        f"the others {busy - own:.1f}; steal {used['steal']:.1f}, iowait {used['iowait']:.1f}, "
+        # /proc/stat's ticks and a process's own counters round apart: never "-0.0".
+        f"the others {max(0.0, busy - own):.1f}; steal {used['steal']:.1f}, iowait {used['iowait']:.1f}, "
         f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}",
         "most CPU: " + ", ".join(f"{name}[{pid}] {cpu:.1f} s" for cpu, pid, name in grown[:6]),
         "this process's threads: "
