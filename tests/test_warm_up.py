@@ -18,7 +18,7 @@ from mlx_notebook.generation import warm_up
 
 PROMPT = "Once upon a time the quick brown fox"
 # Waits here catch a hang, not a slow machine: CI's run of 12-04 had this file's ladder tests
-# run 30-80x slower than anywhere else for four minutes (a 12-token generation unfinished
+# run 30-300x slower than anywhere else for four minutes (a 12-token generation unfinished
 # after 120 s, the tests before and after at their usual speed). A failed test's report says
 # what the machine did meanwhile (testkit.machine); pytest's own timeout is 600 s.
 DEADLINE_S = 300
