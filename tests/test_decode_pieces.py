@@ -67,8 +67,8 @@ def test_a_stop_between_groups_ends_without_the_rest_of_the_step(worker, folder:
     built: list[bool] = []
     forward = DecodeBatch._forward
 
-    def forward_spy(self, inputs, stoppable=False):
-        step = forward(self, inputs, stoppable)
+    def forward_spy(self, inputs, stoppable=False, beside=None):
+        step = forward(self, inputs, stoppable, beside)
         built.append(step is not None)
         return step
 
@@ -112,3 +112,48 @@ def test_a_stop_between_groups_ends_without_the_rest_of_the_step(worker, folder:
     finally:
         assert fresh_worker.shutdown(timeout=60)
     assert reused.tokens == fresh.tokens
+
+
+def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_flight(
+    worker, folder: str, monkeypatch
+) -> None:
+    """Three rows decode in one-layer groups: the next step's build waits for the step in flight group by group.
+
+    Without it the groups queued before the build are all the device has
+    while the host builds, and the rest of the step runs after it (on a
+    host-bound device the two add up). The rows' tokens are their solo runs'.
+    """
+    prompts = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
+    worker.prompt_cache_gb = 0
+    try:
+        solo = [_run(worker, folder, p, 0.1, max_tokens=24).tokens for p in prompts]
+        in_build = {"now": False, "fed": 0, "waited": 0}
+        forward, wait_group = DecodeBatch._forward, DecodeBatch._wait_group
+
+        def forward_spy(self, inputs, stoppable=False, beside=None):
+            in_build["now"] = True
+            try:
+                return forward(self, inputs, stoppable, beside)
+            finally:
+                in_build["now"] = False
+
+        def wait_spy(self, step):
+            in_build["fed" if in_build["now"] else "waited"] += 1
+            return wait_group(self, step)
+
+        monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
+        monkeypatch.setattr(DecodeBatch, "_wait_group", wait_spy)
+        gens = [
+            mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=24, stop_budget=TINY_BUDGET)
+            for p in prompts
+        ]
+        for gen in gens:
+            gen.result(timeout=120)
+            assert gen.state == "done", gen.error
+    finally:
+        worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
+    assert max(g.stats.batch_size for g in gens) == 3
+    assert all(g.stats.decode_pieces == 8 for g in gens)
+    assert [g.tokens for g in gens] == solo
+    # 7 marks a step: nearly every group is waited during the next build, the rest after it.
+    assert in_build["fed"] > 5 * in_build["waited"], in_build

@@ -162,6 +162,8 @@ class _Step:
     logprobs: list[tuple[mx.array, mx.array, mx.array] | None]
     # The hidden state after each group of layers but the last (lazy), when the step goes in pieces.
     groups: list[mx.array] = field(default_factory=list)
+    # Groups evaluated so far (some while the next step was built).
+    waited: int = 0
 
     def arrays(self) -> list[mx.array]:
         return [self.tokens] + [a for entry in self.logprobs if entry is not None for a in entry]
@@ -169,6 +171,10 @@ class _Step:
     def first_piece(self) -> list[mx.array]:
         """What to queue first: its first group of layers, or the whole step."""
         return self.groups[:1] or self.arrays()
+
+    def piece(self, i: int) -> list[mx.array] | mx.array:
+        """Its ``i``-th group of layers; past the last mark, the rest of the step."""
+        return self.groups[i] if i < len(self.groups) else self.arrays()
 
     def rows(self, keep: list[int]) -> _Step:
         if len(keep) == len(self.logprobs):
@@ -396,12 +402,14 @@ class DecodeBatch:
                 # The next step's graph is built while the device computes ``y``
                 # (as mlx-lm does); it is queued before ``y`` is read only while
                 # two steps fit the budget (see the module's docstring).
+                beside = None
                 if len(y.groups) > 1:
-                    # Two pieces of ``y`` on the device while the host builds the next step, which takes
-                    # about as long as a piece or two (H200, 8B shape: ~9 ms of Python for 36 layers).
+                    # Two pieces of ``y`` on the device while the host starts building the next step;
+                    # at each of its marks the build waits for one and queues the next (see _forward).
                     with self._released():
                         mx.async_eval(y.groups[1])
-                nxt = self._forward(y.tokens, stoppable=True)
+                    beside = y
+                nxt = self._forward(y.tokens, stoppable=True, beside=beside)
                 if nxt is None:
                     pass  # every row stopped while it was built: y is abandoned below
                 elif self.in_flight == 2 and not nxt.groups and not any(r.pace.requested for r in self.rows):
@@ -593,18 +601,26 @@ class DecodeBatch:
         return bool(self.rows) and all(r.pace.token.cancelled for r in self.rows)
 
     def _evaluate(self, step: _Step) -> bool:
-        """Wait for ``step``'s tokens, group by group when it has groups; ``False``: every row stopped between two.
-
-        The group after the one waited on is queued first, so the device
-        does not idle while the host waits and checks.
-        """
-        for i, group in enumerate(step.groups):
-            mx.async_eval(step.groups[i + 1] if i + 1 < len(step.groups) else step.arrays())
-            mx.eval(group)
-            if self._all_stopped():
+        """Wait for ``step``'s tokens, group by group when it has groups; ``False``: every row stopped between two."""
+        if step.waited and self._all_stopped():
+            return False  # stopped after a group waited while the next step was built
+        while step.waited < len(step.groups):
+            if not self._wait_group(step):
                 return False
         mx.eval(step.tokens)
         return True
+
+    def _wait_group(self, step: _Step) -> bool:
+        """Wait for ``step``'s next group of layers; ``False``: every row is stopped now.
+
+        The group after it is queued first, so the device does not idle
+        while the host waits and checks: a stop waits for two groups at most.
+        """
+        i = step.waited
+        mx.async_eval(step.piece(i + 1))
+        mx.eval(step.groups[i])
+        step.waited += 1
+        return not self._all_stopped()
 
     def _take_out(self, row: Row, index: int, tok: int, *, built_ahead: bool, sampled: bool) -> None:
         """Row ``index`` leaves: parked (pause) or ended (done, stop).
@@ -741,15 +757,23 @@ class DecodeBatch:
     def _forward(self, inputs: list[int] | mx.array) -> _Step: ...
 
     @overload
-    def _forward(self, inputs: list[int] | mx.array, stoppable: bool) -> _Step | None: ...
+    def _forward(self, inputs: list[int] | mx.array, stoppable: bool, beside: _Step | None = None) -> _Step | None: ...
 
-    def _forward(self, inputs: list[int] | mx.array, stoppable: bool = False) -> _Step | None:
+    def _forward(
+        self, inputs: list[int] | mx.array, stoppable: bool = False, beside: _Step | None = None
+    ) -> _Step | None:
         """Build one decode step for every row (lazy), in groups of layers when a stop cannot wait for a whole one.
 
         ``inputs`` is a list of read tokens, or the previous step's tokens
         before they are read (a step built while the device computes that one).
         ``stoppable``: a step in groups of a lone row stops being built when
         the row is stopped (``None``; the layers built give their position back).
+        ``beside``: the step in flight, in groups: the build waits for one of
+        them at each of its own marks and queues the next. Otherwise only the
+        two groups queued before the build would run during it, and the rest
+        of that step after it: on a host-bound device (an H200, 8 rows, 8B
+        shape) the build's ~9 ms and the device's work would add up, not
+        overlap (16-17 ms steps in groups against 13.5-14.6 whole).
         """
         per = self._layers_per_group()
         if not per:
@@ -760,7 +784,7 @@ class DecodeBatch:
         # A lone row's cache trims back (a batch's rows would have to agree first).
         stopped = self._all_stopped if stoppable and len(self.rows) == 1 else None
         try:
-            with MarkedLayers(self._owner, per, stopped) as marked:
+            with MarkedLayers(self._owner, per, stopped, self._feeder(beside)) as marked:
                 logits = self._logits(inputs)
         except BuildStopped:
             for layer in self._cache[: marked.built]:
@@ -771,6 +795,20 @@ class DecodeBatch:
         for row in self.rows:
             row.sink.stats.decode_pieces = len(step.groups) + 1
         return step
+
+    def _feeder(self, step: _Step | None) -> Callable[[], None] | None:
+        """What a build calls at its marks: wait for ``step``'s next group (the lock let go), until all are waited."""
+        if step is None:
+            return None
+
+        def feed() -> None:
+            if step.waited < len(step.groups) and not (step.waited and self._all_stopped()):
+                with self._released():
+                    if self._wait_group(step) and step.waited < len(step.groups):
+                        # Two groups on the device again while the build goes on (as before it began).
+                        mx.async_eval(step.piece(step.waited + 1))
+
+        return feed
 
     def _layers_per_group(self) -> int:
         """Layers per piece of a step: 0 (whole steps) while one step fits the tightest budget.

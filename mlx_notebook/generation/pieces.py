@@ -259,11 +259,19 @@ class MarkedLayers:
     marks are only the graph's intermediate arrays to evaluate in turn.
     """
 
-    def __init__(self, owner: nn.Module, per: int, stopped: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        owner: nn.Module,
+        per: int,
+        stopped: Callable[[], bool] | None = None,
+        at_mark: Callable[[], None] | None = None,
+    ) -> None:
         self.owner = owner
         self.per = per
         # Asked after each layer is built: True ends the build (BuildStopped), the layers left unbuilt.
         self.stopped = stopped
+        # Called at each mark, while the build waits: the caller moves other work along (the step in flight).
+        self.at_mark = at_mark
         self.marks: list[mx.array] = []
         self.built = 0  # layers whose part of the graph was built
         self._n = 0
@@ -273,6 +281,8 @@ class MarkedLayers:
         self.built = index + 1
         if (index + 1) % self.per == 0 and index + 1 < self._n and isinstance(hidden, mx.array):
             self.marks.append(hidden)
+            if self.at_mark is not None:
+                self.at_mark()
         if self.stopped is not None and index + 1 < self._n and self.stopped():
             raise BuildStopped(self.built)
 
