@@ -59,7 +59,7 @@ import mlx.core as mx
 from benchmarks.bench import SYNTHETIC, gpu_state, open_model, percentile, prompt_ids, save
 from benchmarks.solo_engine import Engine
 from mlx_notebook.control import unpaced
-from mlx_notebook.generation import prefill_thread, warm_up
+from mlx_notebook.generation import prefill_thread, skinny_matmul, warm_up
 from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
 from mlx_notebook.loading.policy import batch_decode
@@ -123,16 +123,20 @@ def mlx_lm_batch(worker, name, prompts, max_tokens):
     def job(store):
         t0 = time.perf_counter()
         loaded = store.get(name)
-        gen = BatchGenerator(loaded.model, stop_tokens=None, stream=worker.stream, completion_batch_size=len(prompts))
-        uids = gen.insert(prompts, [max_tokens] * len(prompts))
-        times = {u: [] for u in uids}
-        tokens = {u: [] for u in uids}
-        while responses := gen.next_generated():
-            now = time.perf_counter()
-            for r in responses:
-                times[r.uid].append(now)
-                tokens[r.uid].append(r.token)
-        gen.close()
+        # mlx-lm's side runs MLX's own matmuls, not the skinny kernel the worker installed.
+        with skinny_matmul.unpatched(loaded.model):
+            gen = BatchGenerator(
+                loaded.model, stop_tokens=None, stream=worker.stream, completion_batch_size=len(prompts)
+            )
+            uids = gen.insert(prompts, [max_tokens] * len(prompts))
+            times = {u: [] for u in uids}
+            tokens = {u: [] for u in uids}
+            while responses := gen.next_generated():
+                now = time.perf_counter()
+                for r in responses:
+                    times[r.uid].append(now)
+                    tokens[r.uid].append(r.token)
+            gen.close()
         return aggregate_tps([times[u] for u in uids]), [tokens[u] for u in uids], time.perf_counter() - t0
 
     return worker.call(job)
@@ -581,9 +585,10 @@ def main() -> None:
         "batch_decode": batch_decode(),
         "MLX_NOTEBOOK_PREFILL_THREAD": os.environ.get("MLX_NOTEBOOK_PREFILL_THREAD", "(unset: the default)"),
         "prefill_thread": prefill_thread.wanted(),
+        "skinny_matmul": skinny_matmul.wanted(),
         "gpu_state": {"start": gpu_state()},
     }
-    keys = ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode", "prefill_thread", "gpu_state")
+    keys = ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode", "prefill_thread", "skinny_matmul", "gpu_state")
     print(
         json.dumps({k: result[k] for k in keys}),
         flush=True,

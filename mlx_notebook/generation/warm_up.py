@@ -14,6 +14,10 @@ unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
 first long prompt. A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
+Last, the 2-8 row products' kernel (:mod:`.skinny_matmul`) is compiled and
+the linear layers take it: NVRTC, 2.1-2.3 s in every process on an H200
+(MLX keeps no disk cache of ``cuda_kernel`` modules), a wait no stop could
+cut inside a job; until then a batch's products are MLX's own.
 
 Then, still only while idle, the *ladder*: every big prefill chunk a prompt
 of up to :data:`LADDER_CONTEXT` tokens can be cut into (sizes
@@ -42,7 +46,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..loading.store import LoadedModel
-from . import small_attention
+from . import skinny_matmul, small_attention
 from .chunks import FIRST_PREFILL_CHUNK, builds_kernels_per_shape
 from .pieces import BuildStopped, MarkedLayers, layer_owner
 
@@ -88,6 +92,9 @@ def warm(loaded: LoadedModel) -> None:
         one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
         mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
         mx.synchronize()
+        if skinny_matmul.wanted():
+            # Last: the first prompt pays the rest above anyway; without this, batches use MLX's products.
+            skinny_matmul.install(model)
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
 
