@@ -153,8 +153,9 @@ def open_model(model: str, synthetic, context: int, folder: Path):
         # done now: otherwise it lands between two measurements and the first runs without the kernel.
         def warm(store):
             loaded = store.get(name)
-            loaded.warmed = True
+            loaded.warmed = loaded.kernels_installed = True
             warm_up.warm(loaded)
+            warm_up.install_kernels(loaded)
 
         worker.call(warm)
 

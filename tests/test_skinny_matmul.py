@@ -10,6 +10,7 @@ generations through it give exactly what they give without it.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -137,3 +138,42 @@ def test_a_workers_generations_together_equal_their_runs_without_the_route(folde
     assert routed  # the route was taken (prefill chunks of 2-8 tokens and batched steps)
     monkeypatch.setattr(skinny_matmul, "wanted", lambda: False)
     assert generations() == routed_tokens
+
+
+def test_a_job_queued_during_the_first_forward_runs_before_the_kernels_compile(folder, monkeypatch) -> None:
+    """The compile (2.1-2.3 s a process on an H200) waits for its own idle moment, after the queued job."""
+    events: list[str] = []
+    queued = threading.Event()
+    monkeypatch.setattr(skinny_matmul, "wanted", lambda: True)
+    monkeypatch.setattr(warm_up, "wanted", lambda: True)
+    monkeypatch.setattr(warm_up, "warm_ladder", lambda loaded, idle: True)
+    real_warm, real_install = warm_up.warm, skinny_matmul.install
+    installed = threading.Event()
+    gen = None  # the generation queued during the first forward
+
+    def warm(loaded):
+        real_warm(loaded)
+        events.append("first forward")
+        assert queued.wait(60), "the test did not queue its generation"  # a job arrives during the forward
+
+    def install(model):
+        events.append(f"compile, the generation {gen.state}")
+        try:
+            return real_install(model)
+        finally:
+            installed.set()
+
+    monkeypatch.setattr(warm_up, "warm", warm)
+    monkeypatch.setattr(skinny_matmul, "install", install)
+    monkeypatch.setattr(skinny_matmul, "product", lambda x, w: x @ w.T)
+    worker = mlx_notebook.Worker()
+    try:
+        worker.load_model(str(folder))
+        gen = mlx_notebook.generate("The lighthouse keeper", model=str(folder), worker=worker, max_tokens=4)
+        queued.set()
+        gen.result(timeout=120)
+        assert gen.state == "done", gen.error
+        assert installed.wait(60), "the worker never compiled the kernel at a later idle moment"
+    finally:
+        worker.shutdown()
+    assert events == ["first forward", "compile, the generation done"]

@@ -168,20 +168,17 @@ def install(model: nn.Module) -> int:
     stalled that thread for seconds (session 25). The worker calls this in
     its warm-up, while nothing is queued (:mod:`.warm_up`): the compile takes
     2.1-2.3 s in every process on an H200 (``cuda_kernel`` modules are not
-    kept on disk by MLX 0.32), which no stop could cut inside a job.
+    kept on disk by MLX 0.32), which no stop could cut inside a job. The
+    compile comes first: if it raises, no layer was swapped.
     """
-    swapped, dtypes = 0, set()
-    for _, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = SkinnyLinear
-            swapped += 1
-            if module["weight"].dtype in _PTX:
-                dtypes.add(module["weight"].dtype)
-    for dtype in dtypes:
+    plain = [module for _, module in model.named_modules() if type(module) is nn.Linear]
+    for dtype in {m["weight"].dtype for m in plain} & set(_PTX):
         t0 = time.perf_counter()
         mx.eval(product(mx.zeros((2, SLICE), dtype=dtype), mx.zeros((16, SLICE), dtype=dtype)))
         log.debug("skinny matmul for %s ready in %.3f s", dtype, time.perf_counter() - t0)
-    return swapped
+    for module in plain:
+        module.__class__ = SkinnyLinear
+    return len(plain)
 
 
 @contextmanager

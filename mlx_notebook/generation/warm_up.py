@@ -14,10 +14,11 @@ unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
 first long prompt. A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
-Last, the 2-8 row products' kernel (:mod:`.skinny_matmul`) is compiled and
-the linear layers take it: NVRTC, 2.1-2.3 s in every process on an H200
-(MLX keeps no disk cache of ``cuda_kernel`` modules), a wait no stop could
-cut inside a job; until then a batch's products are MLX's own.
+Next, at an idle moment of its own, the 2-8 row products' kernel
+(:mod:`.skinny_matmul`) is compiled and the linear layers take it: NVRTC,
+2.1-2.3 s in every process on an H200 (MLX keeps no disk cache of
+``cuda_kernel`` modules), a wait no stop could cut inside a job; until then
+a batch's products are MLX's own. A job queued during it waits for it.
 
 Then, still only while idle, the *ladder*: every big prefill chunk a prompt
 of up to :data:`LADDER_CONTEXT` tokens can be cut into (sizes
@@ -92,11 +93,22 @@ def warm(loaded: LoadedModel) -> None:
         one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
         mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
         mx.synchronize()
-        if skinny_matmul.wanted():
-            # Last: the first prompt pays the rest above anyway; without this, batches use MLX's products.
-            skinny_matmul.install(model)
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
+
+
+def install_kernels(loaded: LoadedModel) -> None:
+    """Compile the project's own kernels for ``loaded`` and route its layers to them (the 2-8 row products).
+
+    Its own idle moment, after :func:`warm`: a job queued during the first
+    forward does not wait for this compile too. Without it, batches use
+    MLX's products.
+    """
+    if skinny_matmul.wanted():
+        try:
+            skinny_matmul.install(loaded.model)
+        except Exception:  # MLX's products stay; a broken kernel must not cost the model
+            log.warning("mlx-notebook: the 2-8 row kernel did not compile; batches use MLX's matmul", exc_info=True)
 
 
 def ladder(loaded: LoadedModel) -> list[tuple[int, int]]:

@@ -428,8 +428,9 @@ class Worker:
     def _warm_while_idle(self) -> None:
         """Pay each loaded model's first uses now, while nothing is queued (see :mod:`.warm_up`).
 
-        Its first forward, then its prefill ladder, which the first job
-        queued interrupts (taken up again at the next idle moment).
+        Its first forward, its own kernels' compile, then its prefill ladder,
+        which the first job queued interrupts (taken up again at the next idle
+        moment).
         """
         if not warm_up.wanted():
             return
@@ -441,6 +442,11 @@ class Worker:
                 if not loaded.warmed:
                     loaded.warmed = True  # once, even if it fails: a real generation reports that
                     warm_up.warm(loaded)
+                if not loaded.kernels_installed:
+                    if not self._idle():
+                        return  # a job came during the first forward: it does not wait for the compile too
+                    loaded.kernels_installed = True
+                    warm_up.install_kernels(loaded)
                 if not loaded.ladder_warmed:
                     loaded.ladder_warmed = warm_up.warm_ladder(loaded, self._idle)
 

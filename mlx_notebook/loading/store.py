@@ -111,6 +111,8 @@ class LoadedModel:
           ``generation.warm_up``). Default: ``False``.
         ladder_warmed: Whether the worker ran its prefill ladder to the end
           while idle (``generation.warm_up``). Default: ``False``.
+        kernels_installed: Whether the worker compiled and installed its own
+          kernels while idle (``generation.warm_up.install_kernels``). Default: ``False``.
     """
 
     source: ModelSource
@@ -129,6 +131,7 @@ class LoadedModel:
     step_s: float | None = None
     warmed: bool = False
     ladder_warmed: bool = False
+    kernels_installed: bool = False
 
 
 class ModelStore:
