@@ -157,3 +157,55 @@ def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_fli
     assert [g.tokens for g in gens] == solo
     # 7 marks a step: nearly every group is waited during the next build, the rest after it.
     assert in_build["fed"] > 5 * in_build["waited"], in_build
+
+
+def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(worker, folder: str, monkeypatch) -> None:
+    """Three rows in one-layer groups stopped together (a kernel interrupt's cancel), until a stop has landed
+    while the next step's build waited for a group of the one in flight: every row ends stopped, nothing is
+    left in flight, and the next generation's tokens are a fresh worker's."""
+    prompts = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
+    seen = {"building": False, "stopped_in_build": 0}
+    forward, wait_group = DecodeBatch._forward, DecodeBatch._wait_group
+
+    def forward_spy(self, inputs, stoppable=False, beside=None):
+        seen["building"] = True
+        try:
+            return forward(self, inputs, stoppable, beside)
+        finally:
+            seen["building"] = False
+
+    def wait_spy(self, step):
+        going_on = wait_group(self, step)
+        seen["stopped_in_build"] += seen["building"] and not going_on
+        return going_on
+
+    monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
+    monkeypatch.setattr(DecodeBatch, "_wait_group", wait_spy)
+    worker.prompt_cache_gb = 0
+    try:
+        for round_ in range(60):
+            if seen["stopped_in_build"] and round_ >= 3:
+                break
+            gens = [
+                mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
+                for p in prompts
+            ]
+            for gen in gens:
+                wait_tokens(gen, 3 + round_ % 7)
+            for gen in gens:
+                gen.stop()
+            for gen in gens:
+                wait_state(gen, "stopped")
+                assert not gen.error
+            assert max(g.stats.batch_size for g in gens) == 3
+        assert seen["stopped_in_build"], "no stop landed while a build waited for a group, in 60 rounds"
+        after = _run(worker, folder, PROMPT, 0.1, max_tokens=16)
+    finally:
+        worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
+    fresh_worker = mlx_notebook.Worker()
+    try:
+        fresh_worker.prompt_cache_gb = 0
+        fresh = _run(fresh_worker, folder, PROMPT, 0.1, max_tokens=16)
+    finally:
+        assert fresh_worker.shutdown(timeout=60)
+    assert after.tokens == fresh.tokens
