@@ -33,6 +33,35 @@ def _run(worker, folder: str, prompt, budget: float, max_tokens: int = 40) -> ml
     return gen
 
 
+ROW_PROMPTS = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
+# Greedy runs of 181, 300 and 300 tokens on this model (the second of ROW_PROMPTS ends at 8 by EOS, before
+# a stop after up to 9 tokens would land).
+LONG_PROMPTS = [PROMPT, "Boats under the bridges, counted one by one " * 3, "Bridges and boats " * 6]
+
+
+def _spy_group_waits(monkeypatch) -> list[tuple[bool, bool]]:
+    """Each group of a step in flight waited on: (during the next step's build, whether a row goes on)."""
+    waits: list[tuple[bool, bool]] = []
+    building = [False]
+    forward, wait_group = DecodeBatch._forward, DecodeBatch._wait_group
+
+    def forward_spy(self, inputs, stoppable=False, beside=None):
+        building[0] = True
+        try:
+            return forward(self, inputs, stoppable, beside)
+        finally:
+            building[0] = False
+
+    def wait_spy(self, step):
+        going_on = wait_group(self, step)
+        waits.append((building[0], going_on))
+        return going_on
+
+    monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
+    monkeypatch.setattr(DecodeBatch, "_wait_group", wait_spy)
+    return waits
+
+
 def test_steps_in_groups_give_whole_steps_tokens_and_pause_exactly(worker, folder: str) -> None:
     worker.prompt_cache_gb = 0  # every run prefills its own prompt
     try:
@@ -123,29 +152,13 @@ def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_fli
     while the host builds, and the rest of the step runs after it (on a
     host-bound device the two add up). The rows' tokens are their solo runs'.
     """
-    prompts = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
     worker.prompt_cache_gb = 0
     try:
-        solo = [_run(worker, folder, p, 0.1, max_tokens=24).tokens for p in prompts]
-        in_build = {"now": False, "fed": 0, "waited": 0}
-        forward, wait_group = DecodeBatch._forward, DecodeBatch._wait_group
-
-        def forward_spy(self, inputs, stoppable=False, beside=None):
-            in_build["now"] = True
-            try:
-                return forward(self, inputs, stoppable, beside)
-            finally:
-                in_build["now"] = False
-
-        def wait_spy(self, step):
-            in_build["fed" if in_build["now"] else "waited"] += 1
-            return wait_group(self, step)
-
-        monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
-        monkeypatch.setattr(DecodeBatch, "_wait_group", wait_spy)
+        solo = [_run(worker, folder, p, 0.1, max_tokens=24).tokens for p in ROW_PROMPTS]
+        waits = _spy_group_waits(monkeypatch)
         gens = [
             mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=24, stop_budget=TINY_BUDGET)
-            for p in prompts
+            for p in ROW_PROMPTS
         ]
         for gen in gens:
             gen.result(timeout=120)
@@ -156,39 +169,23 @@ def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_fli
     assert all(g.stats.decode_pieces == 8 for g in gens)
     assert [g.tokens for g in gens] == solo
     # 7 marks a step: nearly every group is waited during the next build, the rest after it.
-    assert in_build["fed"] > 5 * in_build["waited"], in_build
+    fed = sum(in_build for in_build, _ in waits)
+    assert fed > 5 * (len(waits) - fed), {"fed": fed, "waited": len(waits) - fed}
 
 
 def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(worker, folder: str, monkeypatch) -> None:
     """Three rows in one-layer groups stopped together (a kernel interrupt's cancel), until a stop has landed
     while the next step's build waited for a group of the one in flight: every row ends stopped, nothing is
     left in flight, and the next generation's tokens are a fresh worker's."""
-    prompts = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
-    seen = {"building": False, "stopped_in_build": 0}
-    forward, wait_group = DecodeBatch._forward, DecodeBatch._wait_group
-
-    def forward_spy(self, inputs, stoppable=False, beside=None):
-        seen["building"] = True
-        try:
-            return forward(self, inputs, stoppable, beside)
-        finally:
-            seen["building"] = False
-
-    def wait_spy(self, step):
-        going_on = wait_group(self, step)
-        seen["stopped_in_build"] += seen["building"] and not going_on
-        return going_on
-
-    monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
-    monkeypatch.setattr(DecodeBatch, "_wait_group", wait_spy)
+    waits = _spy_group_waits(monkeypatch)
     worker.prompt_cache_gb = 0
     try:
         for round_ in range(60):
-            if seen["stopped_in_build"] and round_ >= 3:
+            if (True, False) in waits and round_ >= 3:
                 break
             gens = [
                 mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
-                for p in prompts
+                for p in LONG_PROMPTS
             ]
             for gen in gens:
                 wait_tokens(gen, 3 + round_ % 7)
@@ -198,7 +195,7 @@ def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(wo
                 wait_state(gen, "stopped")
                 assert not gen.error
             assert max(g.stats.batch_size for g in gens) == 3
-        assert seen["stopped_in_build"], "no stop landed while a build waited for a group, in 60 rounds"
+        assert (True, False) in waits, "no stop landed while a build waited for a group, in 60 rounds"
         after = _run(worker, folder, PROMPT, 0.1, max_tokens=16)
     finally:
         worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
