@@ -548,6 +548,31 @@ def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
     }
 
 
+QUESTIONS = [
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one paragraph.",
+    "Give three uses of Python in science.",
+    "Why is the sky blue?",
+    "Summarize the plot of Hamlet in two sentences.",
+    "What is a prime number? Give an example.",
+    "Suggest a name for a coffee shop by a river.",
+    "How do vaccines train the immune system?",
+]
+
+
+def chat_prompts(worker, name: str, count: int) -> list[list[int]]:
+    """``count`` short questions as a notebook sends them (the model's chat template), token ids."""
+    from mlx_notebook.generation.prompt import prepare_prompt
+
+    def job(store):
+        loaded = store.get(name)
+        return [
+            prepare_prompt(loaded, GenerationRequest(QUESTIONS[i % len(QUESTIONS)], model=name)) for i in range(count)
+        ]
+
+    return worker.call(job)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -555,6 +580,12 @@ def main() -> None:
     ap.add_argument("--build-dir")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-length", type=int, default=128)
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="prompts are short questions through the model's chat template (~36 tokens on SmolLM2), "
+        "not --prompt-length random tokens",
+    )
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=float, default=mlx_notebook.DEFAULT_STOP_BUDGET_S)
@@ -593,7 +624,12 @@ def main() -> None:
         json.dumps({k: result[k] for k in keys}),
         flush=True,
     )
-    prompts = [prompt_ids(args.prompt_length, vocab, seed=i) for i in range(args.batch)]
+    prompts = (
+        chat_prompts(worker, name, args.batch)
+        if args.chat
+        else [prompt_ids(args.prompt_length, vocab, seed=i) for i in range(args.batch)]
+    )
+    result["prompt_tokens"] = [len(p) for p in prompts]
     n = args.decode_tokens
     ours_batch(worker, name, prompts, 8, args.budget)  # warm-up: kernels for both paths, every batch size
     mlx_lm_batch(worker, name, prompts, 8)
