@@ -230,8 +230,8 @@ def test_the_next_prompts_first_chunk_from_the_carried_cost_fits_the_target(load
     # chunks into that part carries a per-token cost near 0, and the next prompt opened with a
     # 2,048-token chunk: tried in session 29 (the context part fitted from 256 positions, not
     # 512), 14x the target here in most quiet seeds, and on the CPU beside two busy loops stops
-    # of 1.4-2.5 s against 38-65 ms (`cpu_prefill_load_session29.json`). This simulation runs one
-    # prompt at a time and missed it until then.
+    # of 1.4-2.5 s against 38-65 ms (`cpu_prefill_load_ctx256_tried_session29.json`). The other
+    # tests here run one prompt at a time and did not see it.
     params = ENGINE.get(load, QUIET)
     true = cost_model(params)
     for seed in range(30):
