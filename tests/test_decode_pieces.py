@@ -33,6 +33,16 @@ def _run(worker, folder: str, prompt, budget: float, max_tokens: int = 40) -> ml
     return gen
 
 
+def _fresh_run(folder: str, prompt) -> mlx_notebook.Generation:
+    """``prompt`` on a new worker with no prompt cache: the tokens a model that nothing touched gives."""
+    fresh_worker = mlx_notebook.Worker()
+    try:
+        fresh_worker.prompt_cache_gb = 0
+        return _run(fresh_worker, folder, prompt, 0.1, max_tokens=16)
+    finally:
+        assert fresh_worker.shutdown(timeout=60)
+
+
 ROW_PROMPTS = [PROMPT, "Counting boats under the bridges " * 4, "The river bends twice before the sea " * 3]
 # Greedy runs of 181, 300 and 300 tokens on this model (the second of ROW_PROMPTS ends at 8 by EOS, before
 # a stop after up to 9 tokens would land).
@@ -134,13 +144,7 @@ def test_a_stop_between_groups_ends_without_the_rest_of_the_step(worker, folder:
     follow = stopped.prompt_tokens + stopped.tokens + [11, 12, 13]
     reused = _run(worker, folder, follow, 0.1, max_tokens=16)
     assert reused.stats.cached_tokens >= len(stopped.prompt_tokens) + len(stopped.tokens) - 1
-    fresh_worker = mlx_notebook.Worker()
-    try:
-        fresh_worker.prompt_cache_gb = 0
-        fresh = _run(fresh_worker, folder, follow, 0.1, max_tokens=16)
-    finally:
-        assert fresh_worker.shutdown(timeout=60)
-    assert reused.tokens == fresh.tokens
+    assert reused.tokens == _fresh_run(folder, follow).tokens
 
 
 def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_flight(
@@ -199,10 +203,4 @@ def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(wo
         after = _run(worker, folder, PROMPT, 0.1, max_tokens=16)
     finally:
         worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
-    fresh_worker = mlx_notebook.Worker()
-    try:
-        fresh_worker.prompt_cache_gb = 0
-        fresh = _run(fresh_worker, folder, PROMPT, 0.1, max_tokens=16)
-    finally:
-        assert fresh_worker.shutdown(timeout=60)
-    assert after.tokens == fresh.tokens
+    assert after.tokens == _fresh_run(folder, PROMPT).tokens
