@@ -228,6 +228,10 @@ class DecodeBatch:
         self.in_flight = 1
         self._last_read = 0.0
         self.steps = 0
+        # Seconds from the tokens read before to the last step's: one step's
+        # device time while a step is queued before the host reports the one
+        # before it; ``None`` for a batch's first step.
+        self.last_interval: float | None = None
         # When the last step's tokens were read (time.perf_counter).
         self.last_step_at = 0.0
         self._row_attention = row_attention.wanted() and row_attention.install(self.model)
@@ -427,8 +431,9 @@ class DecodeBatch:
             return
         tokens = cast(list[int], y.tokens.tolist())
         now = time.perf_counter()
-        if self._last_read and self.steps:
-            self._measure(now - self._last_read)
+        self.last_interval = now - self._last_read if self._last_read and self.steps else None
+        if self.last_interval is not None:
+            self._measure(self.last_interval)
         self._last_read = self.last_step_at = now
         self.steps += 1
         # Constrained rows' tokens to their matchers, one request per step, first: the

@@ -216,16 +216,29 @@ class Session:
     def _timed_step(self) -> None:
         """A step of the loop's own, timed end to end for OpenBLAS's thread count on the CPU.
 
-        Steps right after a prefill are not timed: the interval would hold a
-        piece of it. A step keeps the one queued behind it busy, so the time
-        from one step's end to the next's is one step's device time.
+        Only a step whose rows decoded in the step before and go on after it
+        is timed: right after a prefill the interval would hold a piece of
+        it, and a batch's last step only reads a token queued a step before
+        (measured: 27-35 ms against 78-109 ms for 4 rows of the default model
+        on 2 cores; such a sample among a candidate's three can pick the
+        slower thread count). A lone batch's step is timed from one read of
+        its tokens to the next: the host's reporting after a read overlaps
+        the next step on the device, so the time from one step's end to the
+        next's is short by however long that reporting took (a 53 ms sample
+        among 80-120 ms ones); several batches' steps are timed end to end.
         """
-        rows = sum(len(b.rows) for b in self.batches.values() if b.has_work())
+        rows = self._rows_decoding()
         self._step(rows)
         now = time.perf_counter()
-        if self._timed is not None and self._timed[1] == rows:
-            step_took(rows, now - self._timed[0])
+        if self._timed is not None and self._timed[1] == rows and self._rows_decoding() == rows:
+            live = [b for b in self.batches.values() if b.rows]
+            seconds = live[0].last_interval if len(live) == 1 else now - self._timed[0]
+            if seconds is not None:
+                step_took(rows, seconds)
         self._timed = (now, rows)
+
+    def _rows_decoding(self) -> int:
+        return sum(len(b.rows) for b in self.batches.values() if b.has_work())
 
     def _step(self, rows: int = 1) -> None:
         """One step of every batch with work (in turn: they share the device)."""
