@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlx_notebook.budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from mlx_notebook.control import Pace
 from mlx_notebook.errors import InvalidArgumentError
-from mlx_notebook.generation.budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from mlx_notebook.generation.prefill import Sink, prefill
 from mlx_notebook.generation.prompt import prepare_prompt
 from mlx_notebook.generation.request import GenerationRequest

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..generation.budget import STEP_EMA
+from ..budget import STEP_EMA
 from ..generation.prefill import Sink, prefill
 from ..generation.sampling import make_sampler
 from ..generation.states import State

@@ -63,12 +63,12 @@ from typing import Any, cast, overload
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from ..control import Pace
 from ..errors import InvalidArgumentError
 from ..loading.store import LoadedModel
 from . import batch_cache, kv_capacity, row_attention
 from .batch_cache import Cache
-from .budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from .chunks import KV_STEP, builds_kernels_per_shape
 from .constraint_matcher import RowMatcher, mask_logits
 from .handle import Reporter, TokenLogprobs

@@ -50,15 +50,11 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from ..budget import SAVE_CLEANUP_SHARE, SAVE_PIECE_SHARE
 from ..control import Pace
 from ..errors import InvalidArgumentError
 from .chunks import with_room
 
-# A piece of bytes is sized to take this share of the stop budget: the rest
-# covers a slower next piece (disk, page cache eviction) and the checkpoint.
-PIECE_SHARE = 0.3
-# A stopped save waits this share of the budget for its temporary file to be deleted.
-CLEANUP_SHARE = 0.3
 # The first piece, before any throughput is measured (~4 ms at 1 GB/s).
 FIRST_PIECE = 4 << 20
 MIN_PIECE = 256 << 10
@@ -151,7 +147,7 @@ class _Pieces:
 
     def __init__(self, pace: Pace) -> None:
         self.pace = pace
-        self.piece_s = max(pace.budget_s * PIECE_SHARE, 1e-3)
+        self.piece_s = max(pace.budget_s * SAVE_PIECE_SHARE, 1e-3)
         self.size = FIRST_PIECE
         self._last = time.perf_counter()
 
@@ -742,9 +738,9 @@ def _write(path: str | os.PathLike[str], head: bytes, blobs: list[tuple[str, Any
         old = _keep_old(target)
         os.replace(tmp, target)
         if old is not None:
-            _remove_soon(old, pace.budget_s * CLEANUP_SHARE)
+            _remove_soon(old, pace.budget_s * SAVE_CLEANUP_SHARE)
     except BaseException as e:
-        _remove_soon(tmp, pace.budget_s * CLEANUP_SHARE)
+        _remove_soon(tmp, pace.budget_s * SAVE_CLEANUP_SHARE)
         if isinstance(e, OSError):
             raise KVFileError(
                 f"cannot write {target}: {e.strerror or e}; free disk space or choose another folder"

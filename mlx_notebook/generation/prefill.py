@@ -26,10 +26,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from ..budget import PREFILL_SHARE
 from ..control import Pace
 from ..loading.store import LoadedModel
 from . import batch_cache
-from .budget import PREFILL_SHARE
 from .chunks import ChunkPlanner, builds_kernels_per_shape, padded_to_seen
 from .kv_settings import KVSettings
 from .pieces import LayerRunner, prefill_runner

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from ..budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from ..control import Cancelled, Pace
 from ..errors import InvalidArgumentError
 from ..loading.blas_threads import fit_to_load, step_took
@@ -41,7 +42,6 @@ from ..loading.policy import batch_decode
 from ..loading.store import LoadedModel, ModelStore
 from . import batch_cache, quantized_attention, small_attention
 from .batch_cache import Cache
-from .budget import OTHERS_STEP_SHARE, PREFILL_SHARE
 from .chunks import KV_STEP
 from .constraint_matcher import start_grammar_process
 from .decode_batch import DecodeBatch, Row

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..budget import LOAD_PIECE_SHARE
 from ..control import Pace
 from . import weight_blocks
 from .policy import float32_bytes
@@ -101,8 +102,8 @@ class BatchEvaluator:
         """Size the next batch from this one's rate, report progress, checkpoint."""
         if counted:
             elapsed = max(elapsed, 1e-4)
-            # 0.7: keep a margin under the budget; at most 4x growth per batch.
-            target = int(size / elapsed * self.pace.budget_s * 0.7)
+            # At most 4x growth per batch: a rate measured on small tensors may not hold for large ones.
+            target = int(size / elapsed * self.pace.budget_s * LOAD_PIECE_SHARE)
             self.batch_bytes = max(MIN_BATCH_BYTES, min(target, self.batch_bytes * 4))
             self.done += size
             if self.progress is not None:

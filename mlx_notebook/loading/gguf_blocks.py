@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..budget import LOAD_PIECE_SHARE
 from ..control import Pace
 from ..errors import ModelFormatError
 from .gguf_header import FIX_DOWNLOAD, GGUFInfo, GGUFTensor
@@ -35,8 +36,6 @@ __all__ = ["convert_blocks"]
 
 # Small first block: its only job is to measure the rate.
 FIRST_BLOCK_BYTES = 256 << 10
-# 0.7: a margin under the budget (as budgeted.BatchEvaluator); at most 4x growth a block.
-_BUDGET_SHARE = 0.7
 _FLOAT: dict[str, tuple[str, np.dtype[Any]]] = {
     "F32": ("F32", np.dtype("<f4")),
     "F16": ("F16", np.dtype("<f2")),
@@ -103,8 +102,8 @@ class _Blocks:
         return max(1, self.block_bytes // max(1, row_bytes))
 
     def measured(self, size: int, elapsed: float) -> None:
-        target = int(size / max(elapsed, 1e-4) * self.pace.budget_s * _BUDGET_SHARE)
-        self.block_bytes = max(16 << 10, min(target, self.block_bytes * 4))
+        target = int(size / max(elapsed, 1e-4) * self.pace.budget_s * LOAD_PIECE_SHARE)
+        self.block_bytes = max(16 << 10, min(target, self.block_bytes * 4))  # at most 4x growth a block
         self.done += size
         if self.progress is not None:
             self.progress(self.done, self.total)

@@ -5,7 +5,10 @@ longest a stop or pause may wait. What a piece may take is a share of it,
 because something else always stands between a request and the parked worker:
 the next prefill chunk runs a little slower than the last (attention grows
 with the position), a decode step queued behind the one being read, the other
-rows' steps run between a joining prompt's pieces.
+rows' steps run between a joining prompt's pieces, the disk.
+
+The shares of loading, generation and saving are all here: layers below
+``generation`` (``loading``) import this module, as they import :mod:`.control`.
 
 This module never imports IPython or ipywidgets.
 """
@@ -25,3 +28,11 @@ DECODE_PIPELINE_SHARE = 0.8
 OTHERS_STEP_SHARE = 0.5
 # Weight of the newest decode step in the running step-time average.
 STEP_EMA = 0.2
+# A batch of weights evaluated at load (and a block of a GGUF file converted) is
+# sized to this share: the next one may hold larger tensors or slower quants.
+LOAD_PIECE_SHARE = 0.7
+# A piece of a KV file written or read is sized to this share: the next one may
+# meet a slower disk or page-cache eviction, and the checkpoint comes after it.
+SAVE_PIECE_SHARE = 0.3
+# A stopped save waits this share of the budget for its temporary file to be deleted.
+SAVE_CLEANUP_SHARE = 0.3
