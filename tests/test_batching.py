@@ -159,6 +159,61 @@ def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tin
     assert first.tokens == first_alone  # its rows were copied into the reserved buffers
 
 
+def test_the_others_steps_read_after_a_prefill_piece_are_not_timed(worker, tiny_model, monkeypatch):
+    """A prompt fed in turn between the others' steps: their step time leaves its pieces out, and theirs stay out of its.
+
+    Their step time is the user's ``decode_step_s`` and decides how many
+    steps are kept in flight and whether a step goes in layer groups;
+    measured with the pieces in it, 32-68 of ~140 steps of the default model
+    went in groups during a join on 2 cores, for a budget they fitted whole.
+    And their next step, queued before the prompt's next piece, was timed as
+    part of it: the planner cut the pieces, and the join's prefill took
+    14.5 s against 10 s with the step held to the next boundary.
+    """
+    from mlx_notebook.generation import decode_batch, session
+
+    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "0")  # in turn on the worker, as on the CPU by default
+    decoding: list[mlx_notebook.Generation] = []
+    boundaries: list[tuple[float, int]] = []  # at each piece boundary of the joining prompt: when, the row's tokens
+    held: list[bool] = []  # after each step of the row at a boundary: whether its next step waited unqueued
+    timed: list[tuple[float, float]] = []  # (previous read, this read) of each step timed
+    between, measure = session.Session.between, decode_batch.DecodeBatch._measure
+
+    def spy_between(self) -> None:
+        boundaries.append((time.perf_counter(), len(decoding[0].tokens)))
+        steps = {id(b): b.steps for b in self.batches.values()}
+        between(self)
+        for b in self.batches.values():
+            if b.steps != steps.get(id(b), b.steps) and b.rows:
+                # Stepped here: the next step waits unqueued, or it runs ahead of the next piece and is timed in it.
+                held.append(b._held)
+
+    def spy_measure(self, seconds: float) -> None:
+        now = time.perf_counter()
+        timed.append((now - seconds, now))
+        measure(self, seconds)
+
+    monkeypatch.setattr(session.Session, "between", spy_between)
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_measure", spy_measure)
+    long_prompt = [(43 * i) % 250 + 20 for i in range(1500)]
+    worker.prompt_cache_gb = 0
+    try:
+        decoding.append(mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000))
+        wait_tokens(decoding[0], 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4, stop_budget=0.02)
+        joiner.result(timeout=120)
+        decoding[0].cancel()
+        assert decoding[0].wait(60)
+    finally:
+        worker.prompt_cache_gb = 2
+    assert len(boundaries) >= 3, "the prompt was not fed in pieces"
+    assert boundaries[-1][1] > boundaries[0][1], "the decoding row did not step between the pieces"
+    assert len(timed) > 5, "the decoding row's steps were not timed at all"
+    holding = [(a, b) for a, b in timed if any(a < t < b for t, _ in boundaries)]
+    assert not holding, f"{len(holding)} of {len(timed)} steps timed across a prefill piece"
+    assert held and all(held), held
+
+
 def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, reserves):
     """A pause may last and the batch change meanwhile: the reservation is dropped, the join still exact."""
     made, taken = reserves

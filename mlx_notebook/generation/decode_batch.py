@@ -228,6 +228,9 @@ class DecodeBatch:
         self.in_flight = 1
         self._last_read = 0.0
         self.steps = 0
+        # ``step(hold=True)`` is running; the step in ``_y`` is built but not queued yet.
+        self._hold = False
+        self._held = False
         # Seconds from the tokens read before to the last step's: one step's
         # device time while a step is queued before the host reports the one
         # before it; ``None`` for a batch's first step.
@@ -249,6 +252,17 @@ class DecodeBatch:
     def has_work(self) -> bool:
         """Whether a step would do something (rows decoding or waiting to join)."""
         return bool(self.rows or self.ready)
+
+    def interrupted(self) -> None:
+        """The worker does other work before this batch's next step (a prefill piece, a save): that step is not timed.
+
+        Its tokens are read after that work, so the time since the read
+        before holds it: during a join fed in turn on a 2-core CPU (3 rows,
+        a 1,000-token prompt, budget 0.1) such intervals lifted the step time
+        to 124 ms against 70-99 ms steps, and 32-68 of ~140 steps went in
+        layer groups for a budget they fitted whole.
+        """
+        self._last_read = 0.0
 
     def add(self, row: Row) -> None:
         """Queue a prefilled row to join at the next step."""
@@ -379,10 +393,21 @@ class DecodeBatch:
 
     # -- one step ----------------------------------------------------------------
 
-    def step(self) -> None:
-        """Read one token of every row, report it, change rows, queue the next step."""
+    def step(self, hold: bool = False) -> None:
+        """Read one token of every row, report it, change rows, queue the next step.
+
+        ``hold``: build the next step but queue it only at the next call. The
+        worker feeds a prompt in turn before then (:meth:`.Session.between`):
+        queued now, the step would run ahead of the prompt's next piece on the
+        stream and be timed as part of it, and the chunk planner, told the
+        others' step is the piece's cost, would cut the pieces small.
+        """
         with self._lock:
-            self._step()
+            self._hold = hold
+            try:
+                self._step()
+            finally:
+                self._hold = False
 
     def _step(self) -> None:
         self._poll_parked()
@@ -393,6 +418,10 @@ class DecodeBatch:
             self._queue(self._first_step())
         y = self._y
         assert y is not None
+        if self._held:
+            self._held = False
+            with self._released():
+                mx.async_eval(y.first_piece())
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
         nxt = None  # the next step, built ahead
         ahead = None  # with a constrained row: the next step's logits, built ahead (sampled after the masks)
@@ -418,7 +447,12 @@ class DecodeBatch:
                 nxt = self._forward(y.tokens, stoppable=True, beside=beside)
                 if nxt is None:
                     pass  # every row stopped while it was built: y is abandoned below
-                elif self.in_flight == 2 and not nxt.groups and not any(r.pace.requested for r in self.rows):
+                elif (
+                    self.in_flight == 2
+                    and not nxt.groups
+                    and not self._hold
+                    and not any(r.pace.requested for r in self.rows)
+                ):
                     with self._released():
                         mx.async_eval(nxt.arrays())
                     queued = True
@@ -441,7 +475,7 @@ class DecodeBatch:
         RowMatcher.advance_all(
             [(r.matcher, t) for r, t in zip(self.rows, tokens) if r.matcher is not None and not r.detached]
         )
-        if (nxt is not None and not queued) or ahead is not None:
+        if ((nxt is not None and not queued) or ahead is not None) and not self._hold:
             staying = [
                 more and t not in r.eos and not r.pace.requested for t, r, more in zip(tokens, self.rows, continuing)
             ]
@@ -561,6 +595,7 @@ class DecodeBatch:
         """
         leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
         if leaving:
+            self._last_read = 0.0  # the next step's interval holds the leaving and is another batch's
             keep = [i for i in range(len(self.rows)) if i not in leaving]
             if not keep:
                 # The batch empties: nothing may stay in flight when the last
@@ -599,8 +634,11 @@ class DecodeBatch:
             self._queue(self._first_step())
 
     def _queue(self, step: _Step) -> None:
-        """Make ``step`` the one in flight and queue it on the device (the lock let go meanwhile)."""
+        """Make ``step`` the one in flight and queue it on the device (the lock let go meanwhile); held: at the next step."""
         self._y = step
+        if self._hold:
+            self._held = True
+            return
         with self._released():
             mx.async_eval(step.first_piece())
 
@@ -733,6 +771,7 @@ class DecodeBatch:
                 self.parked.append(row)
         if not joining:
             return
+        self._last_read = 0.0  # the next step's interval holds the merge, and a step not built ahead
         if self.rows or len(joining) > 1:
             for row in joining:
                 _feed_last_again(row)  # a batched step feeds it with the others

@@ -71,8 +71,8 @@ class Jobs(Protocol):
         """The next queued job if it is a generation of model ``key`` that ``accept`` takes."""
         ...
 
-    def run_inline_calls(self) -> None:
-        """Run the calls that may not wait for the session's end (saves of paused generations)."""
+    def run_inline_calls(self) -> bool:
+        """Run the calls that may not wait for the session's end (saves of paused generations); whether any ran."""
         ...
 
     def wait_for_change(self, timeout: float) -> None:
@@ -176,7 +176,8 @@ class Session:
                 self._start(first, stack)
                 while True:
                     self._prune_prefixes()
-                    self.jobs.run_inline_calls()
+                    if self.jobs.run_inline_calls():
+                        self._interrupt_batches()
                     for batch in self._live_batches():
                         batch.poll_parked()
                     if self._side is not None:
@@ -185,6 +186,7 @@ class Session:
                     if job is not None:
                         self._timed = None
                         self._start(job, stack)
+                        self._interrupt_batches()  # its prefill's last piece ran since the others' last read
                     elif self._has_work():
                         self._timed_step()
                     elif self._side is not None or any(b.parked for b in self.batches.values()):
@@ -240,16 +242,16 @@ class Session:
     def _rows_decoding(self) -> int:
         return sum(len(b.rows) for b in self.batches.values() if b.has_work())
 
-    def _step(self, rows: int = 1) -> None:
-        """One step of every batch with work (in turn: they share the device)."""
+    def _step(self, rows: int = 1, hold: bool = False) -> None:
+        """One step of every batch with work (in turn: they share the device); ``hold``: see :meth:`DecodeBatch.step`."""
         _fit_blas_threads(rows)
         for batch in list(self.batches.values()):
             if batch.has_work():
-                self._step_batch(batch)
+                self._step_batch(batch, hold)
 
-    def _step_batch(self, batch: DecodeBatch) -> None:
+    def _step_batch(self, batch: DecodeBatch, hold: bool = False) -> None:
         try:
-            batch.step()
+            batch.step(hold)
         except Exception as exc:  # an MLX error: every row of the batch fails
             log.debug("decode step failed", exc_info=True)
             self._synchronize_quietly()
@@ -503,6 +505,7 @@ class Session:
         two tokens stays about one budget plus one step.
         """
         _fit_blas_threads()
+        self._interrupt_batches()  # a piece ran since their last read, or runs before their next
         if self._reserve is not None and not self._reserve.done:
             self._reserve.advance()
         if not self._streaming():
@@ -510,14 +513,20 @@ class Session:
         batches = [b for b in self.batches.values() if b.rows]
         budget = min(r.pace.budget_s for b in batches for r in b.rows)
         if time.perf_counter() - min(b.last_step_at for b in batches) >= budget * OTHERS_STEP_SHARE:
-            self._step()
+            self._step(hold=True)  # their next step waits for the next boundary: not timed as the piece's
+
+    def _interrupt_batches(self) -> None:
+        """The worker ran something else between two steps: their interval is not a step's time."""
+        for batch in self.batches.values():
+            batch.interrupted()
 
     def _drop_reserve(self) -> None:
         self._reserve = None
 
     def _while_paused(self) -> None:
         """While a prefilling generation is paused: the others' steps, or a short wait."""
-        self.jobs.run_inline_calls()
+        if self.jobs.run_inline_calls():
+            self._interrupt_batches()
         for batch in self._live_batches():
             batch.poll_parked()
         if self._has_work():

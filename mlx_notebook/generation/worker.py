@@ -220,14 +220,16 @@ class Worker:
             raise job.error
         return job.result
 
-    def run_inline_calls(self) -> None:
-        """Run the inline calls waiting (on the worker thread: the session's loop asks between steps)."""
+    def run_inline_calls(self) -> bool:
+        """Run the inline calls waiting (on the worker thread: the session's loop asks between steps); whether any ran."""
+        ran = False
         while True:
             with self._cond:
                 if not self._inline:
-                    return
+                    return ran
                 job = self._inline.popleft()
             self._run_call(job)
+            ran = True
 
     def call(self, fn: Callable[[ModelStore], Any], timeout: float | None = None) -> Any:
         """Run ``fn(store)`` on the worker thread after the queued jobs."""
