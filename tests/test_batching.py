@@ -214,6 +214,45 @@ def test_the_others_steps_read_after_a_prefill_piece_are_not_timed(worker, tiny_
     assert held and all(held), held
 
 
+def test_a_paused_row_resumes_and_stops_while_a_prompt_is_fed_in_turn(worker, tiny_model, monkeypatch):
+    """A resume or a stop of a paused row acts at the joining prompt's next piece, not after its prefill.
+
+    Before, the parked rows were looked at only by the session's loop, which
+    a prompt fed in turn holds for its whole prefill: a 1,000-token prompt of
+    the default model on 2 cores kept a resumed row waiting 4.1 s for its
+    next token, and a stop of a paused row 3.8 s.
+    """
+    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "0")  # in turn on the worker, as on the CPU by default
+    long_prompt = [(47 * i) % 250 + 20 for i in range(4000)]
+    worker.prompt_cache_gb = 0
+    joiner = None
+    try:
+        other = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000)
+        wait_tokens(other, 3)
+        other.pause()
+        wait_state(other, "paused")
+        # Small pieces: its prefill lasts a second or more, the resume and the stop below take a few pieces.
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=2, stop_budget=0.005)
+        wait_prefill_chunks(joiner, 2)
+        read = len(other.tokens)
+        other.resume()
+        wait_tokens(other, read + 3)
+        resumed_in_prefill = joiner.state == "prefilling"
+        other.pause()
+        wait_state(other, "paused")
+        other.cancel()
+        assert other.wait(60)
+        stopped_in_prefill = joiner.state == "prefilling"
+        chunks = joiner.stats.prefill_chunks
+    finally:
+        if joiner is not None:
+            joiner.cancel()
+            joiner.wait(60)
+        worker.prompt_cache_gb = 2
+    assert resumed_in_prefill, f"the resumed row waited for the prompt's prefill ({chunks} chunks)"
+    assert stopped_in_prefill, f"the stop of the paused row waited for the prompt's prefill ({chunks} chunks)"
+
+
 def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, reserves):
     """A pause may last and the batch change meanwhile: the reservation is dropped, the join still exact."""
     made, taken = reserves

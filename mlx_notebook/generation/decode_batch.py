@@ -420,6 +420,10 @@ class DecodeBatch:
         assert y is not None
         if self._held:
             self._held = False
+            if self._all_stopped():
+                # Stopped while their step waited unqueued: it never runs (as when they stop between two groups).
+                self._change_rows([r.next_token for r in self.rows], None)
+                return
             with self._released():
                 mx.async_eval(y.first_piece())
         continuing = [len(r.tokens) + 1 < r.request.max_tokens for r in self.rows]
