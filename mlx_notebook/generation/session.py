@@ -216,7 +216,7 @@ class Session:
         return len(running) < cap
 
     def _timed_step(self) -> None:
-        """A step of the loop's own, timed end to end for OpenBLAS's thread count on the CPU.
+        """A step of the loop's own, timed for OpenBLAS's thread count on the CPU.
 
         Only a step whose rows decoded in the step before and go on after it
         is timed: right after a prefill the interval would hold a piece of
@@ -497,7 +497,9 @@ class Session:
     def between(self) -> None:
         """At a prefill piece boundary: one decode step of the others, when they need one.
 
-        Also between two pieces of an inline call (a save). Only for rows that stream already: rows still waiting for their first
+        Also between two pieces of an inline call (a save). Parked rows are
+        looked at here too: the session's loop waits for the prompt's end.
+        Only for rows that stream already: rows still waiting for their first
         token (generations submitted together) wait until the prompts queued
         with them are prefilled, then all start decoding together, as
         mlx-lm's batch generator does. And at most one step per half budget:
