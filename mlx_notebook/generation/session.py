@@ -176,8 +176,7 @@ class Session:
                 self._start(first, stack)
                 while True:
                     self._prune_prefixes()
-                    if self.jobs.run_inline_calls():
-                        self._interrupt_batches()
+                    self._run_inline_calls()
                     for batch in self._live_batches():
                         batch.poll_parked()
                     if self._side is not None:
@@ -521,6 +520,11 @@ class Session:
         if time.perf_counter() - min(b.last_step_at for b in batches) >= budget * OTHERS_STEP_SHARE:
             self._step(hold=True)  # their next step waits for the next boundary: not timed as the piece's
 
+    def _run_inline_calls(self) -> None:
+        """The calls waiting (saves), between two steps: the step after them is not timed."""
+        if self.jobs.run_inline_calls():
+            self._interrupt_batches()
+
     def _interrupt_batches(self) -> None:
         """The worker ran something else between two steps: their interval is not a step's time."""
         for batch in self.batches.values():
@@ -531,8 +535,7 @@ class Session:
 
     def _while_paused(self) -> None:
         """While a prefilling generation is paused: the others' steps, or a short wait."""
-        if self.jobs.run_inline_calls():
-            self._interrupt_batches()
+        self._run_inline_calls()
         for batch in self._live_batches():
             batch.poll_parked()
         if self._has_work():
