@@ -177,23 +177,3 @@ def test_a_job_queued_during_the_first_forward_runs_before_the_kernels_compile(f
     finally:
         worker.shutdown()
     assert events == ["first forward", "compile, the generation done"]
-
-
-def test_the_shipped_ptx_was_built_from_the_kernels_source() -> None:
-    # scripts/build_skinny_ptx.py rebuilds it; a stale PTX would be ignored at run time (NVRTC again, 2 s a process).
-    assert skinny_matmul.shipped_ptx() is not None, "rebuild it: python3 scripts/build_skinny_ptx.py LIBNVRTC"
-    text = skinny_matmul.PTX_FILE.read_text()
-    assert ".entry mlxnb_skinny_matmul_bf16(" in text and ".entry mlxnb_skinny_matmul_f16(" in text
-    assert "\n.version 8.0\n" in text and "\n.target sm_80\n" in text
-
-
-def test_a_ptx_built_from_another_source_is_not_used(tmp_path, monkeypatch) -> None:
-    stale = tmp_path / "skinny_matmul.ptx"
-    stale.write_bytes(skinny_matmul.PTX_FILE.read_bytes().replace(skinny_matmul.source_digest().encode(), b"0" * 64))
-    monkeypatch.setattr(skinny_matmul, "PTX_FILE", stale)
-    skinny_matmul.shipped_ptx.cache_clear()
-    try:
-        assert skinny_matmul.shipped_ptx() is None
-        assert not skinny_matmul._ptx_works(mx.bfloat16)
-    finally:
-        skinny_matmul.shipped_ptx.cache_clear()

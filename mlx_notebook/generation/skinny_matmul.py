@@ -25,28 +25,16 @@ Measured per call on the H200 (chained, so host time counts): 21 us for a
 Only on MLX's CUDA backend, for bfloat16 and float16 weights of plain
 ``nn.Linear`` layers (quantized layers have their own kernels); one row,
 more than eight, other dtypes and ``K`` not a multiple of 64 go to the
-layer's own call.
-
-The kernel ships as PTX (``skinny_matmul.ptx``, built from :func:`cuda_source`
-by ``scripts/build_skinny_ptx.py`` with NVRTC on any machine, no GPU needed),
-for ``compute_80`` and PTX ISA 8.0, so the drivers of CUDA 12 and 13 load it
-on Ampere and later. Loading it took 0.11 s on an H200 against 2.1-2.3 s for
-NVRTC's compile of the same source in every process (MLX 0.32 keeps no disk
-cache of ``cuda_kernel`` modules; ``benchmarks/results/h200_join_turn_session31.log``).
-Where the PTX does not load, is stale (its first line names a digest of
-another source) or gives a wrong product, the source is compiled by NVRTC
-as before. This module never imports IPython or ipywidgets.
+layer's own call. This module never imports IPython or ipywidgets.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -62,8 +50,6 @@ SPLIT = 2  # warps per block, each taking every SPLIT-th slice of K
 UNROLL = 2  # 32-element slices a lane loads before its MMAs (memory-level parallelism)
 SLICE = 32 * UNROLL  # K per warp iteration
 _PTX = {mx.bfloat16: "bf16", mx.float16: "f16"}
-PTX_FILE = Path(__file__).with_name("skinny_matmul.ptx")
-_DIGEST_LINE = "// mlx-notebook skinny_matmul source sha256 "
 
 _SOURCE = r"""
     const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
@@ -133,100 +119,6 @@ def _kernel(dtype: mx.Dtype) -> Any:
     )
 
 
-def cuda_source() -> str:
-    """The kernel for each dtype as one CUDA translation unit of ``extern "C"`` kernels ``(x, w, y, M, K, N)``.
-
-    The body is the one :func:`_kernel` compiles; the shapes come as scalars
-    (``mx.fast.precompiled_cuda_kernel`` passes a kernel its inputs, its
-    outputs, then its scalars) and the bf16/f16 conversion is written out,
-    since no MLX header is included.
-    """
-    body = _SOURCE.replace("x_shape[0]", "M_").replace("x_shape[1]", "K_").replace("w_shape[0]", "N_")
-    body = body.replace("static_cast<T>(c[i])", "to_out(c[i])")
-    parts = []
-    for tag in _PTX.values():
-        parts.append(
-            f"""
-__device__ __forceinline__ unsigned short to_out_{tag}(float f) {{
-    unsigned short h; asm("cvt.rn.{tag}.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}}
-extern "C" __global__ void mlxnb_skinny_matmul_{tag}(
-    const unsigned short* x, const unsigned short* w, unsigned short* y, int M_, int K_, int N_) {{
-    constexpr int SPLIT = {SPLIT}, UNROLL = {UNROLL};
-#define to_out to_out_{tag}
-{body.replace(".PTX.PTX.", f".{tag}.{tag}.")}
-#undef to_out
-}}
-"""
-        )
-    return "\n".join(parts)
-
-
-def source_digest() -> str:
-    """What the shipped PTX's first line must name: it was built from this :func:`cuda_source`."""
-    return hashlib.sha256(cuda_source().encode()).hexdigest()
-
-
-@cache
-def shipped_ptx() -> bytes | None:
-    """The package's PTX, or ``None`` where it is missing or was built from another source."""
-    try:
-        ptx = PTX_FILE.read_bytes()
-    except OSError:
-        return None
-    first = ptx.split(b"\n", 1)[0].decode(errors="replace")
-    return ptx if first == _DIGEST_LINE + source_digest() else None
-
-
-def _precompiled(x: mx.array, w: mx.array) -> mx.array:
-    m, k = x.shape
-    n = w.shape[0]
-    ptx = shipped_ptx()
-    assert ptx is not None
-    return mx.fast.precompiled_cuda_kernel(
-        name=f"mlxnb_skinny_matmul_{_PTX[x.dtype]}",
-        compiled_source=ptx,
-        inputs=[x, w],
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-        scalars=[m, k, n],
-        grid=(((n + 15) // 16) * 32 * SPLIT, 1, 1),
-        threadgroup=(32 * SPLIT, 1, 1),
-    )[0]
-
-
-def _compiled(x: mx.array, w: mx.array) -> mx.array:
-    m, n = x.shape[0], w.shape[0]
-    blocks = (n + 15) // 16
-    return _kernel(x.dtype)(
-        inputs=[x, w],
-        template=[("T", x.dtype)],
-        grid=(blocks * 32 * SPLIT, 1, 1),
-        threadgroup=(32 * SPLIT, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )[0]
-
-
-# The route each dtype's products take: the shipped PTX where it loaded and was right (see :func:`install`).
-_routes: dict[mx.Dtype, Callable[[mx.array, mx.array], mx.array]] = {}
-
-
-def _ptx_works(dtype: mx.Dtype) -> bool:
-    """Whether the shipped PTX loads here and gives MLX's product (a driver too old, a GPU before Ampere: no)."""
-    if shipped_ptx() is None:
-        return False
-    x = mx.random.normal((3, SLICE), key=mx.random.key(0)).astype(dtype)
-    w = mx.random.normal((40, SLICE), key=mx.random.key(1)).astype(dtype)
-    try:
-        y = _precompiled(x, w).astype(mx.float32)
-        ref = x.astype(mx.float32) @ w.astype(mx.float32).T
-        return mx.allclose(y, ref, atol=0.1, rtol=0.02).item()
-    except Exception:
-        log.debug("the shipped PTX did not load; NVRTC compiles the kernel", exc_info=True)
-        return False
-
-
 def supports(x: mx.array, w: mx.array) -> bool:
     """Whether ``x @ w.T`` fits the kernel: ``x`` of 2-8 rows, both bf16 or fp16, ``K`` a multiple of 64."""
     return (
@@ -242,7 +134,16 @@ def supports(x: mx.array, w: mx.array) -> bool:
 
 def product(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` for ``x`` of shape ``(M, K)`` and ``w`` of ``(N, K)`` (see :func:`supports`)."""
-    return _routes.get(x.dtype, _compiled)(x, w)
+    m, n = x.shape[0], w.shape[0]
+    blocks = (n + 15) // 16
+    return _kernel(x.dtype)(
+        inputs=[x, w],
+        template=[("T", x.dtype)],
+        grid=(blocks * 32 * SPLIT, 1, 1),
+        threadgroup=(32 * SPLIT, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
 
 
 class SkinnyLinear(nn.Linear):
@@ -262,23 +163,19 @@ class SkinnyLinear(nn.Linear):
 def install(model: nn.Module) -> int:
     """Make ``model``'s plain linear layers :class:`SkinnyLinear`; compile the kernel now; the layers swapped.
 
-    Idempotent. The kernel is loaded here for the weights' dtype, and not
-    inside a step: a kernel compiled while another thread decodes stalled
-    that thread for seconds (session 25). The worker calls this in its
-    warm-up, while nothing is queued (:mod:`.warm_up`): the shipped PTX loads
-    in ~0.1 s; where it cannot, NVRTC's compile takes 2.1-2.3 s in every
-    process on an H200, which no stop could cut inside a job. The load comes
-    first: if it raises, no layer was swapped.
+    Idempotent. The kernel is compiled here (NVRTC) for the weights' dtype
+    and not inside a step: a kernel compiled while another thread decodes
+    stalled that thread for seconds (session 25). The worker calls this in
+    its warm-up, while nothing is queued (:mod:`.warm_up`): the compile takes
+    2.1-2.3 s in every process on an H200 (``cuda_kernel`` modules are not
+    kept on disk by MLX 0.32), which no stop could cut inside a job. The
+    compile comes first: if it raises, no layer was swapped.
     """
     plain = [module for _, module in model.named_modules() if type(module) is nn.Linear]
     for dtype in {m["weight"].dtype for m in plain} & set(_PTX):
         t0 = time.perf_counter()
-        if dtype not in _routes and _ptx_works(dtype):
-            _routes[dtype] = _precompiled
         mx.eval(product(mx.zeros((2, SLICE), dtype=dtype), mx.zeros((16, SLICE), dtype=dtype)))
-        log.debug(
-            "skinny matmul for %s ready in %.3f s (%s)", dtype, time.perf_counter() - t0, _routes.get(dtype, _compiled)
-        )
+        log.debug("skinny matmul for %s ready in %.3f s", dtype, time.perf_counter() - t0)
     for module in plain:
         module.__class__ = SkinnyLinear
     return len(plain)
@@ -297,4 +194,4 @@ def unpatched(model: nn.Module) -> Iterator[None]:
             module.__class__ = SkinnyLinear
 
 
-__all__ = ["SkinnyLinear", "cuda_source", "install", "product", "source_digest", "supports", "unpatched", "wanted"]
+__all__ = ["SkinnyLinear", "install", "product", "supports", "unpatched", "wanted"]
