@@ -24,6 +24,8 @@ What it measures (EOS off, so every run decodes the same number of tokens):
   (``--join-length`` tokens), 0-20 ms after its submit;
 * the others' longest gap between two tokens while a ``--join-length`` prompt
   joins, against the budget and the step time;
+* every row stopped at once 0-2 steps after a ``--join-length`` prompt joined
+  (``--join-stop-rounds`` rounds), each row's ``cancel()`` to its end;
 * prefix reuse: a ``--prefix-length`` prompt, then the same with its last
   sentence changed: time to first token cold vs warm, same tokens.
 
@@ -523,6 +525,63 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     }
 
 
+def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng):
+    """Stop every row at once (the Stop of each, as an interrupt does) in the first steps after a prompt joined.
+
+    The steps right after a join are the batch's least settled: the joiner's
+    cache just merged, every row's attention over its length, the step after
+    the change not timed (so not cut into groups by its own time). Each round
+    lets rows decode, joins ``join_ids``, waits for the joiner's first token
+    (its row admitted), then 0-2 of the others' steps, and cancels every row;
+    each row's stop is timed from the first ``cancel()`` to its end reported.
+    """
+    latencies, steps, after_tokens = [], [], []
+    for _ in range(rounds):
+        gens = [
+            mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
+        ]
+        clock = TokenClock(gens)
+        wait_decoding(gens, 4)
+        t = clock.times[gens[0].id]
+        step = statistics.median(b - a for a, b in zip(t, t[1:]))
+        steps.append(step)
+        joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=100_000, stop_budget=budget)
+        everyone = [*gens, joiner]
+        ended: dict[int, float] = {}
+        for g in everyone:
+            g.add_listener(
+                lambda e, _id=g.id: (
+                    ended.setdefault(_id, time.perf_counter()) if e.kind == "state" and e.state.final else None
+                )
+            )
+        deadline = time.perf_counter() + 600
+        while not joiner.tokens and not joiner.finished:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the joining prompt gave no token in 600 s")
+            time.sleep(0.0005)
+        time.sleep(rng.uniform(0.0, 2 * step))
+        after_tokens.append(len(joiner.tokens))
+        t0 = time.perf_counter()
+        for g in everyone:
+            g.cancel()
+        for g in everyone:
+            if not g.wait(timeout=60):
+                raise TimeoutError(f"a row did not stop in 60 s ({g.state})")
+        latencies += [ended[g.id] - t0 for g in everyone]
+    step = statistics.median(steps)
+    return {
+        "rows": len(prompts) + 1,
+        "join_length": len(join_ids),
+        "rounds": rounds,
+        "p50": 1000 * percentile(latencies, 50),
+        "p99": 1000 * percentile(latencies, 99),
+        "max": 1000 * max(latencies),
+        "others_step_ms": 1000 * step,
+        "max_budget_or_step_plus_30_ms": 1000 * (max(budget, step) + 0.03),
+        "joiner_tokens_at_stop": after_tokens,
+    }
+
+
 def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
     doc = prompt_ids(length, vocab, seed=7)
     first, second = doc + prompt_ids(24, vocab, seed=8), doc + prompt_ids(24, vocab, seed=9)
@@ -591,11 +650,12 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=mlx_notebook.DEFAULT_STOP_BUDGET_S)
     ap.add_argument("--stop-rounds", type=int, default=20)
     ap.add_argument("--join-length", type=int, default=2048)
+    ap.add_argument("--join-stop-rounds", type=int, default=6)
     ap.add_argument("--prefix-length", type=int, default=4000)
     ap.add_argument(
         "--skip",
         default="",
-        help="comma list of parts to skip: solo,together,batch,stop,profile,join,cached_stop,prefix",
+        help="comma list of parts to skip: solo,together,batch,stop,profile,join,join_stop,cached_stop,prefix",
     )
     ap.add_argument("--trace", action="store_true", help="print what the worker did in the longest join gap")
     ap.add_argument("--out", type=Path)
@@ -724,6 +784,18 @@ def main() -> None:
             result[key]["ladder_chunks_left"] = left
             print(json.dumps(result[key]), flush=True)
             save(result, args.out)
+    if "join_stop" not in skip and args.join_stop_rounds:
+        result["join_stop_ms"] = join_stop_rounds(
+            worker,
+            name,
+            prompts[: max(1, args.batch - 1)],
+            prompt_ids(args.join_length, vocab, seed=96),
+            args.budget,
+            args.join_stop_rounds,
+            rng,
+        )
+        print(json.dumps(result["join_stop_ms"]), flush=True)
+        save(result, args.out)
     if "cached_stop" not in skip and args.stop_rounds:
         ids = prompt_ids(args.join_length, vocab, seed=98)
         result["cached_stop_ms"] = cached_stop_rounds(

@@ -313,6 +313,28 @@ def test_stop_all_ends_every_row_and_the_worker_goes_on(worker, tiny_model, solo
     assert after.result(timeout=60) is not None and after.tokens == solo[PROMPTS[0], None]
 
 
+def test_every_row_stopped_in_the_first_steps_after_a_join_ends_and_the_batch_goes_on(worker, tiny_model, solo):
+    # Right after a join the batch is least settled: the joiner's cache just merged, the step after the change
+    # of rows not timed (benchmarks/batching.py's join_stop part measures these stops' latency).
+    long_prompt = " ".join(PROMPTS * 6)
+    for others_tokens_after in (0, 1, 2):
+        rows = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=10_000) for p in PROMPTS[:3]]
+        for row in rows:
+            wait_tokens(row, 3)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=10_000)
+        wait_tokens(joiner, 1)
+        seen = len(rows[0].tokens)
+        wait_tokens(rows[0], seen + others_tokens_after)
+        for gen in [*rows, joiner]:
+            gen.cancel()
+        for gen in [*rows, joiner]:
+            assert gen.wait(60) and gen.state == "stopped", (others_tokens_after, gen.state)
+        assert joiner.stats.batch_size == 4, "the long prompt did not join the rows"
+    after = mlx_notebook.generate(PROMPTS[1], model=tiny_model, worker=worker, max_tokens=24)
+    after.result(timeout=60)
+    assert after.tokens == solo[PROMPTS[1], None]
+
+
 def test_random_controls_on_random_rows_keep_every_row_exact(worker, tiny_model, solo):
     rng = random.Random(11)
     for _ in range(3):
