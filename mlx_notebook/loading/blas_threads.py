@@ -9,6 +9,9 @@ fp32), prefill chunks with two busy loops beside the process: 64 tokens
 17.7 s; with the cores quiet two threads are 1.25-1.7x faster than one. A
 3,000-token prefill under that load took 235 s with two threads and 144 s
 with one (quiet: 68.5 s with two, 88.4 s with one); plain mlx-lm took 180 s.
+With the planner's chunks of today (~140 tokens under that load, so longer
+matmuls), two threads still lose: 196 s against 53.6 s with one, quiet
+27-28 s (session 31, ``benchmarks/results/cpu_prefill_load_*_threads_session31.json``).
 
 So at most every :data:`INTERVAL_S`, between two pieces of work on the
 worker thread, the CPU time the other processes used since the last look
