@@ -599,13 +599,13 @@ class DecodeBatch:
         """
         leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
         if leaving:
-            self._last_read = 0.0  # the next step's interval holds the leaving and is another batch's
+            self.interrupted()  # the next step's interval holds the leaving and is another batch's
             keep = [i for i in range(len(self.rows)) if i not in leaving]
             if not keep:
                 # The batch empties: nothing may stay in flight when the last
                 # row is reported (a stop-all, an interrupt, a pause of all).
                 mx.synchronize(self.stream)
-                self._last_read = 0.0  # the next rows' first step is not measured from these
+                self.interrupted()  # the next rows' first step is not measured from these
             for i in leaving:
                 self._take_out(
                     self.rows[i],
@@ -775,7 +775,7 @@ class DecodeBatch:
                 self.parked.append(row)
         if not joining:
             return
-        self._last_read = 0.0  # the next step's interval holds the merge, and a step not built ahead
+        self.interrupted()  # the next step's interval holds the merge, and a step not built ahead
         if self.rows or len(joining) > 1:
             for row in joining:
                 _feed_last_again(row)  # a batched step feeds it with the others
