@@ -63,6 +63,7 @@ def prefill(
     kv: KVSettings | None = None,
     last: bool = False,
     side: bool = False,
+    turns: bool = False,
 ) -> mx.array | None:
     """Feed all but the last prompt token through the model in adaptive chunks.
 
@@ -86,17 +87,20 @@ def prefill(
     where layers cannot be grouped, ``None``: the first decode step feeds it.
 
     ``side``: this runs on the prefill thread (:mod:`.prefill_thread`), whose
-    built shapes are its own.
+    built shapes are its own. ``turns``: there, its pieces take the device in
+    turns with the others' steps (:mod:`.device_turns`).
     """
     total = len(prompt)
     to_process = total - 1
     ids = mx.array(prompt, dtype=mx.uint32)
     runner = prefill_runner(loaded, cache, pace)
-    if side:
+    if side and not turns:
         # Beside the others' steps the device interleaves the two streams kernel by kernel: a chunk of
         # many layer groups (chunk_budget_factor) made the others' kernels wait behind long ones (H200,
         # Qwen3-8B shape: their longest gap 53-70 ms, budget + 2 steps 36-45). Chunks that fit the budget
-        # whole keep the kernels short; layer groups still bound this prompt's own stop.
+        # whole keep the kernels short; layer groups still bound this prompt's own stop. In turns with their
+        # steps no kernel of theirs waits behind the prompt's, and its chunks are cut in layer groups as on the
+        # worker: a piece is a group, and a CPU piece's fixed cost (the weights read) is shared by more tokens.
         runner.chunk_budget_factor = 1.0
     sink.stats.prefill_pieces = runner.pieces
     seen = loaded.side_shapes_seen if side else loaded.prefill_shapes_seen

@@ -45,6 +45,7 @@ from .batch_cache import Cache
 from .chunks import KV_STEP
 from .constraint_matcher import start_grammar_process
 from .decode_batch import DecodeBatch, Row
+from .device_turns import DeviceTurns
 from .handle import Reporter
 from .kv_settings import KV_GROUP_SIZES, KVSettings
 from .persist import load_seed
@@ -100,6 +101,7 @@ class _Side:
     reserve: batch_cache.Reserve | None = None
     reserved: bool = False
     dropped: threading.Event = field(default_factory=threading.Event)
+    turns: DeviceTurns | None = None
 
 
 class _PauseHooks:
@@ -189,6 +191,8 @@ class Session:
                     elif self._has_work():
                         self._timed_step()
                     elif self._side is not None or any(b.parked for b in self.batches.values()):
+                        if self._side is not None and self._side.turns is not None:
+                            self._side.turns.pass_turn()  # no step to wait for
                         self.jobs.wait_for_change(IDLE_WAIT_S)
                     else:
                         return
@@ -242,11 +246,18 @@ class Session:
         return sum(len(b.rows) for b in self.batches.values() if b.has_work())
 
     def _step(self, rows: int = 1, hold: bool = False) -> None:
-        """One step of every batch with work (in turn: they share the device); ``hold``: see :meth:`DecodeBatch.step`."""
+        """One step of every batch with work (in turn: they share the device); ``hold``: see :meth:`DecodeBatch.step`.
+
+        While a prompt is prefilled on the prefill thread the step takes the
+        device in turns with its pieces (:mod:`.device_turns`), and the next
+        step is held, not queued ahead: it waits for the piece after this one.
+        """
         _fit_blas_threads(rows)
-        for batch in list(self.batches.values()):
-            if batch.has_work():
-                self._step_batch(batch, hold)
+        turns = self._side.turns if self._side is not None else None
+        with turns.worker_turn() if turns is not None else contextlib.nullcontext():
+            for batch in list(self.batches.values()):
+                if batch.has_work():
+                    self._step_batch(batch, hold or turns is not None)
 
     def _step_batch(self, batch: DecodeBatch, hold: bool = False) -> None:
         try:
@@ -293,8 +304,12 @@ class Session:
         self.running.append(reporter)
         thread = self.jobs.prefill_thread() if self._streaming() and self.loaded is not None else None
         if thread is not None and KVSettings.of(gen.request).plain:
-            side = self._side = _Side(reporter)
-            side.job = thread.submit(lambda stream: self._prefilled_row(reporter, stack, stream, side))
+            budget = gen.request.stop_budget
+            # The prompt hands the device over after about half a budget (its pieces fit PREFILL_SHARE of it,
+            # so about once a piece); the others wait at most one budget for it.
+            turns = DeviceTurns(slice_s=budget * OTHERS_STEP_SHARE, worker_wait_s=budget, side_wait_s=4 * budget)
+            side = self._side = _Side(reporter, turns=turns)
+            side.job = thread.submit(lambda stream: self._side_row(reporter, stack, stream, side))
             return
         row = self._prefilled_row(reporter, stack, self.stream, None)
         if row is not None:
@@ -305,8 +320,20 @@ class Session:
         on the prefill thread they only check (the worker steps the others meanwhile)."""
         gen = reporter.generation
         if side is not None:
-            hooks = _PauseHooks(reporter, stream, release=side.dropped.set)
-            return Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
+            turns = side.turns
+
+            def release() -> None:
+                side.dropped.set()
+                if turns is not None:
+                    turns.release()
+
+            hooks = _PauseHooks(reporter, stream, release=release)
+            pace = Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
+            if turns is not None:
+                # Its checkpoints take the device in turns with the others' steps, its work drained when it hands over.
+                pace.between = lambda: turns.side_checkpoint(lambda: pace.requested)
+                pace.shared = turns.due
+            return pace
         hooks = _PauseHooks(reporter, stream, release=self._drop_reserve)
         return Pace(
             gen.token,
@@ -366,7 +393,17 @@ class Session:
                 reserve = None
                 if side is not None:
                     side.fed = len(fed)
-                    first = prefill(loaded, cache, fed, pace=pace, sink=reporter, start=cached, kv=kv, side=True)
+                    first = prefill(
+                        loaded,
+                        cache,
+                        fed,
+                        pace=pace,
+                        sink=reporter,
+                        start=cached,
+                        kv=kv,
+                        side=True,
+                        turns=side.turns is not None,
+                    )
                 else:
                     shared = self.batches.get(_SHARED)
                     self._reserve = shared.reserve_for(len(fed)) if kv.plain and shared is not None else None
@@ -398,6 +435,19 @@ class Session:
             log.debug("generation #%s failed", gen.id, exc_info=True)
             self._end(reporter, State.FAILED, exc)
         return None
+
+    def _side_row(self, reporter: Reporter, stack: contextlib.ExitStack, stream: mx.Stream, side: _Side) -> Row | None:
+        """On the prefill thread: :meth:`_prefilled_row`, taking the device in turns with the others' steps."""
+        turns = side.turns
+        if turns is None:
+            return self._prefilled_row(reporter, stack, stream, side)
+        watchers = reporter.generation.token.watchers
+        watchers.append(turns.wake)
+        try:
+            return self._prefilled_row(reporter, stack, stream, side)
+        finally:
+            turns.close()
+            watchers.remove(turns.wake)
 
     def _follow_side(self) -> None:
         """Between two steps: reserve the join's buffers for the prompt prefilled beside, and join it once read."""

@@ -1,0 +1,171 @@
+"""The device in turns: a prompt prefilled on the prefill thread and the others' decode steps queue their work one at a time.
+
+Where a joining prompt is prefilled on a thread of its own (:mod:`.prefill_thread`),
+its pieces and the worker's steps go to two streams, and CUDA interleaves two
+streams' kernels one by one: with both queued, every kernel of the others' step
+waits behind one of the prompt's. Measured on an H200 (Qwen3-8B shape, 7 rows
+decoding while an 8k prompt joins, budget 0.01): one of their steps stretched to
+45 ms while a chunk ran, and their longest gap between two tokens was 35-54 ms
+against budget + 2 steps of 34-41 ms (sessions 25-31, docs/benchmarks.md). The
+prompt's thread waiting for one of their steps before each piece (session 31's
+"turn") did not help: the worker had queued its next step before reading the
+last, so the two overlapped again.
+
+Here each side waits for the other, so the device runs one step, then one piece:
+- the worker queues a step only once the piece before it is done, and builds
+  the step meanwhile (:meth:`.DecodeBatch.step`'s ``hold``): the others' gap is
+  about one step plus one piece, and a piece is sized to the budget;
+- the prefill thread hands the device over at its first checkpoint after
+  ``slice_s`` of holding it, with its work drained (the pace's ``shared``), and
+  takes it again once one of the others' steps ended.
+
+Neither waits forever: the worker waits at most ``worker_wait_s`` (a piece that
+runs long, e.g. while a graph for a new shape is built on the host, costs the
+others that wait, not a step's worth more), and the prefill thread goes on when
+the worker has no step to run (``pass_turn``), after ``side_wait_s``, or at a
+stop or pause of its prompt (``wake``, one of its token's watchers).
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+_SIDE = "side"
+_WORKER = "worker"
+
+
+@dataclass
+class TurnCounts:
+    """How the turns went: how many each side took, and how many waits ran out."""
+
+    side_turns: int = 0
+    worker_turns: int = 0
+    side_timeouts: int = 0
+    worker_timeouts: int = 0
+
+
+class DeviceTurns:
+    """The device shared in turns between the worker's decode steps and one prompt's prefill pieces.
+
+    Args:
+        slice_s: How long the prefill thread holds the device before it hands it
+          over at a checkpoint.
+        worker_wait_s: The longest the worker waits for a piece before it steps anyway.
+        side_wait_s: The longest the prefill thread waits for one of the others' steps.
+    """
+
+    def __init__(self, slice_s: float, worker_wait_s: float, side_wait_s: float) -> None:
+        self.slice_s = slice_s
+        self.worker_wait_s = worker_wait_s
+        self.side_wait_s = side_wait_s
+        self.counts = TurnCounts()
+        self._cond = threading.Condition()
+        self._owner: str | None = None
+        self._taken_at = 0.0
+        # Steps the worker ran since the start, and whether it has none to run now.
+        self._steps = 0
+        self._idle = False
+        # While the prefill thread waits for the device: the worker's step count when it let go.
+        self._wanted_after: int | None = None
+        self._closed = False
+
+    # -- the worker thread ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def worker_turn(self) -> Iterator[None]:
+        """Hold the device for one step of the others (their work queued and read inside)."""
+        with self._cond:
+            deadline = time.perf_counter() + self.worker_wait_s
+            while not self._closed and (self._owner == _SIDE or self._side_is_due()):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    self.counts.worker_timeouts += 1
+                    break
+                self._cond.wait(left)
+            # Also after a wait that ran out: the prefill thread's next take waits for this step.
+            self._owner = _WORKER
+            self._idle = False
+            self.counts.worker_turns += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._owner == _WORKER:
+                    self._owner = None
+                self._steps += 1
+                self._cond.notify_all()
+
+    def pass_turn(self) -> None:
+        """The worker has no step to run now (every other row paused): the prefill thread need not wait for one."""
+        with self._cond:
+            self._idle = True
+            self._cond.notify_all()
+
+    def _side_is_due(self) -> bool:
+        """Whether the prefill thread waits for the device and one of the others' steps ran since it let go."""
+        return self._wanted_after is not None and (self._steps > self._wanted_after or self._idle)
+
+    # -- the prefill thread --------------------------------------------------------
+
+    def due(self) -> bool:
+        """Whether the prefill thread hands the device over at its next checkpoint (drain its work first)."""
+        return self._owner != _SIDE or time.perf_counter() - self._taken_at >= self.slice_s
+
+    def side_checkpoint(self, requested: Callable[[], bool]) -> None:
+        """At a checkpoint of the prompt: hand the device over when due, and take it back after one of the others' steps.
+
+        ``requested``: whether a stop or pause of the prompt waits (the wait
+        ends at once then, and the checkpoint after this call acts on it).
+        """
+        with self._cond:
+            if self._closed:
+                return
+            if self._owner == _SIDE:
+                if time.perf_counter() - self._taken_at < self.slice_s:
+                    return
+                self._owner = None
+                self._wanted_after = self._steps  # one step of the others, then the device again
+            else:
+                self._wanted_after = self._steps - 1  # not held before (or let go at a pause): as soon as it is free
+            self._cond.notify_all()
+            deadline = time.perf_counter() + self.side_wait_s
+            try:
+                while not (self._owner is None and self._side_is_due()):
+                    if self._closed or requested():
+                        return  # the checkpoint after this call acts on the request
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        self.counts.side_timeouts += 1
+                        break
+                    self._cond.wait(left)
+                self._owner = _SIDE
+                self._taken_at = time.perf_counter()
+                self.counts.side_turns += 1
+            finally:
+                self._wanted_after = None
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        """The prompt lets go of the device (a pause blocks it); it takes it again at a later checkpoint."""
+        with self._cond:
+            if self._owner == _SIDE:
+                self._owner = None
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """A request reached the prompt's token: a wait of the prefill thread looks at it now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The prompt's prefill ended: nobody waits for it again."""
+        with self._cond:
+            self._closed = True
+            self._owner = None
+            self._cond.notify_all()
