@@ -500,8 +500,9 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             if b < t_join or a > t_end:
                 continue
             spans.append((b - a, a, b))
-            # The admit step's tokens are reported with the joiner's first, a little after it (1 ms).
-            phase = "prefill" if b < t_first else "admit" if a < t_first + 0.001 else "after"
+            # The admit step's tokens are reported with the joiner's first, just before or after it (the rows'
+            # order): a gap that ends within 2 ms of it, or spans it, is the admit's.
+            phase = "admit" if abs(b - t_first) < 0.002 or a < t_first < b else "prefill" if b < t_first else "after"
             where[phase] = max(where[phase], b - a)
             if phase == "after":
                 after.append(b - a)
