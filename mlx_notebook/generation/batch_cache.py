@@ -122,9 +122,11 @@ class Reserve:
     def done(self) -> bool:
         return len(self.buffers) == len(self._shapes)
 
-    def advance(self) -> None:
-        """Allocate the next layer's keys and values (queued on the stream; nothing waits)."""
-        new = [mx.zeros(shape, dtype) for shape, dtype in self._shapes[len(self.buffers) : len(self.buffers) + 2]]
+    def advance(self, layers: int = 1) -> None:
+        """Allocate the next ``layers`` layers' keys and values (queued on the stream; nothing waits)."""
+        new = [
+            mx.zeros(shape, dtype) for shape, dtype in self._shapes[len(self.buffers) : len(self.buffers) + 2 * layers]
+        ]
         if new:
             mx.async_eval(new)
             self.buffers += new
