@@ -105,6 +105,39 @@ def test_a_generation_joins_a_running_batch(worker, tiny_model, solo):
     assert second.stats.batch_size == 2
 
 
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_prompt_joins_while_the_batchs_step_runs_and_every_row_keeps_its_solo_tokens(
+    worker, tiny_model, solo, seed, monkeypatch
+):
+    """A row joining a batch of two merges while the step in flight runs, the first joined step built then
+    (``DecodeBatch._admits_ahead``); the joiner's tokens and the others' are still their solo runs'."""
+    from mlx_notebook.generation.decode_batch import DecodeBatch
+
+    ahead: list[int] = []
+    admit = DecodeBatch._admit
+
+    def spy(self):
+        if self._y is not None and self.ready:
+            ahead.append(len(self.rows))
+        admit(self)
+
+    monkeypatch.setattr(DecodeBatch, "_admit", spy)
+    sampling = {"temperature": 0.8, "seed": seed} if seed is not None else {}
+    rows = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=400, **sampling) for p in PROMPTS[:2]]
+    for row in rows:
+        wait_tokens(row, 3)
+    joiner = mlx_notebook.generate(PROMPTS[3], model=tiny_model, worker=worker, max_tokens=24, **sampling)
+    joiner.result(timeout=120)
+    for row in rows:
+        row.cancel()
+    for row in rows:
+        assert row.wait(60)
+    assert ahead == [2], "the joiner did not merge while the batch's step ran"
+    assert joiner.tokens == solo[PROMPTS[3], seed]
+    for prompt, row in zip(PROMPTS[:2], rows):
+        assert row.tokens[:24] == solo[prompt, seed]
+
+
 @pytest.fixture
 def reserves(monkeypatch):
     """What the session reserved for joins: ``made`` (each reservation's arguments) and ``taken``

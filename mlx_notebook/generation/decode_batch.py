@@ -430,6 +430,13 @@ class DecodeBatch:
         nxt = None  # the next step, built ahead
         ahead = None  # with a constrained row: the next step's logits, built ahead (sampled after the masks)
         queued = False
+        inputs = y.tokens
+        reading = len(self.rows)  # the rows whose tokens ``y`` makes
+        if any(continuing) and self.ready and self._admits_ahead():
+            self._admit()  # the rows join now, while ``y`` runs: the first joined step is built ahead too
+            joined = [r.next_token for r in self.rows[reading:]]
+            if joined:
+                inputs = mx.concatenate([y.tokens, mx.array(joined, dtype=y.tokens.dtype)])
         if any(continuing) and not self.ready:
             if any(r.matcher is not None for r in self.rows):
                 # A constrained row's next mask needs ``y``'s token read and fed
@@ -448,7 +455,7 @@ class DecodeBatch:
                     with self._released():
                         mx.async_eval(y.groups[1])
                     beside = y
-                nxt = self._forward(y.tokens, stoppable=True, beside=beside)
+                nxt = self._forward(inputs, stoppable=True, beside=beside)
                 if nxt is None:
                     pass  # every row stopped while it was built: y is abandoned below
                 elif (
@@ -467,7 +474,8 @@ class DecodeBatch:
             # Every row was stopped between two groups of the step's layers: its tokens are never read.
             self._change_rows([r.next_token for r in self.rows], None)
             return
-        tokens = cast(list[int], y.tokens.tolist())
+        # Rows that joined while ``y`` ran: the token the step built ahead feeds them stands for theirs.
+        tokens = cast(list[int], y.tokens.tolist()) + [r.next_token for r in self.rows[reading:]]
         now = time.perf_counter()
         self.last_interval = now - self._last_read if self._last_read and self.steps else None
         if self.last_interval is not None:
@@ -753,8 +761,30 @@ class DecodeBatch:
             self._pads = batch_cache.keep_rows(self._cache, self._pads, keep)
         self.rows = rows
 
+    def _admits_ahead(self) -> bool:
+        """Whether the ready rows may join while the step in flight runs, and the first joined step be built meanwhile.
+
+        Otherwise they join after its tokens are read, and the first joined
+        step is built while the device idles: on an H200 (Qwen3-8B shape, 7
+        rows joined by an 8k prompt) the merge and that build were 11-14 ms
+        of the others' gap between two tokens, which the bound of budget +
+        2 steps (35-39 ms there) could not spare (benchmarks/results/
+        h200_admit_session32.log). Only for a batch of rows already (a lone
+        row's cache is converted at a join) and rows without a grammar or
+        logits processors: a constrained row's step is built in two parts,
+        and a joining row's processors would see its last prompt token twice
+        (it is fed again, and would be the step's pending token too).
+        """
+        if len(self.rows) < 2:
+            return False
+        return not any(r.matcher is not None or r.sample.processors for r in self.rows + self.ready)
+
     def _admit(self) -> None:
-        """Merge the ready rows' caches into the batch (only between steps: no step built)."""
+        """Merge the ready rows' caches into the batch, between steps or while one runs (:meth:`_admits_ahead`).
+
+        A step in flight wrote its position into the rows' caches (lazily): the
+        merge copies them with it.
+        """
         if not self.ready:
             return
         joining, self.ready = self.ready, []
