@@ -1,0 +1,181 @@
+"""The device taken in turns by a joining prompt's prefill thread and the worker's decode steps.
+
+Two plain threads play the two sides (no MLX: what is tested is the hand-over),
+each marking when it holds the device; a real join through the library, with
+the prefill thread forced on the CPU, checks the wiring. Every wait here has
+a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import mlx_notebook
+from mlx_notebook.generation import session as session_module
+from mlx_notebook.generation.device_turns import DeviceTurns
+from testkit.waiting import wait_tokens
+
+DEADLINE_S = 30
+
+
+class Held:
+    """Who holds the device, checked on every entry: two holders at once are recorded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: str | None = None
+        self.overlaps: list[tuple[str, str]] = []
+        self.order: list[str] = []
+
+    def enter(self, who: str) -> None:
+        with self.lock:
+            if self.holder is not None:
+                self.overlaps.append((self.holder, who))
+            self.holder = who
+            self.order.append(who)
+
+    def leave(self, who: str) -> None:
+        with self.lock:
+            if self.holder == who:
+                self.holder = None
+
+
+def run_side(turns: DeviceTurns, held: Held, pieces: int, piece_s: float, stop: threading.Event) -> None:
+    """The prefill thread's part: a checkpoint, then a piece holding the device, ``pieces`` times."""
+    for _ in range(pieces):
+        turns.side_checkpoint(stop.is_set)
+        if stop.is_set():
+            break
+        held.enter("side")
+        time.sleep(piece_s)  # the piece's device time
+        held.leave("side")
+    turns.close()
+
+
+def run_worker(turns: DeviceTurns, held: Held, done: threading.Event, step_s: float) -> None:
+    """The worker's part: steps in turns until the side is done."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not done.is_set() and time.monotonic() < deadline:
+        with turns.worker_turn():
+            held.enter("worker")
+            time.sleep(step_s)  # the step's device time
+            held.leave("worker")
+
+
+def test_a_piece_and_a_step_alternate_and_never_hold_the_device_together():
+    # The prompt hands over at every checkpoint (slice 0); waits long enough never to run out here.
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=5.0)
+    held, done, stop = Held(), threading.Event(), threading.Event()
+    worker = threading.Thread(target=run_worker, args=(turns, held, done, 0.002))
+    worker.start()
+    run_side(turns, held, pieces=20, piece_s=0.002, stop=stop)
+    done.set()
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive()
+    assert held.overlaps == []
+    assert turns.counts.side_timeouts == 0 and turns.counts.worker_timeouts == 0
+    sides = [i for i, who in enumerate(held.order) if who == "side"]
+    assert len(sides) == 20
+    # Between two of the prompt's pieces, exactly one of the others' steps.
+    for a, b in zip(sides, sides[1:]):
+        assert held.order[a + 1 : b] == ["worker"], held.order
+
+
+def test_the_prompt_holds_the_device_for_its_slice_then_hands_it_over():
+    turns = DeviceTurns(slice_s=0.05, worker_wait_s=5.0, side_wait_s=5.0)
+    held, done, stop = Held(), threading.Event(), threading.Event()
+    worker = threading.Thread(target=run_worker, args=(turns, held, done, 0.001))
+    worker.start()
+    run_side(turns, held, pieces=40, piece_s=0.005, stop=stop)
+    done.set()
+    worker.join(DEADLINE_S)
+    assert held.overlaps == []
+    runs, run = [], 0
+    for who in held.order:
+        if who == "side":
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    # 5 ms pieces against a 50 ms slice: several pieces a turn, not one.
+    assert max(runs) >= 5 and len(runs) >= 3, runs
+
+
+def test_the_worker_waits_at_most_its_bound_for_a_piece_that_runs_long():
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=0.05, side_wait_s=5.0)
+    turns.side_checkpoint(lambda: False)  # the prompt takes the device and keeps it (a long build)
+    t0 = time.monotonic()
+    with turns.worker_turn():
+        waited = time.monotonic() - t0
+    assert 0.04 <= waited < 2.0
+    assert turns.counts.worker_timeouts == 1
+
+
+def test_a_stop_of_the_prompt_ends_its_wait_for_the_others_at_once():
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=DEADLINE_S)
+    stop = threading.Event()
+    turns.side_checkpoint(stop.is_set)  # holds the device
+    ended = threading.Event()
+    inside = threading.Event()
+
+    def side() -> None:
+        inside.set()
+        turns.side_checkpoint(stop.is_set)  # hands it over and waits for one of the others' steps: none comes
+        ended.set()
+
+    thread = threading.Thread(target=side)
+    thread.start()
+    assert inside.wait(DEADLINE_S)
+    assert not ended.wait(0.1), "the prompt did not wait for the others' step"
+    stop.set()
+    turns.wake()  # what the prompt's token watcher does at a stop
+    assert ended.wait(2.0), "the stop did not end the wait"
+    thread.join(DEADLINE_S)
+    assert turns.counts.side_timeouts == 0
+
+
+def test_an_idle_worker_does_not_hold_the_prompt_up():
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=DEADLINE_S)
+    turns.pass_turn()  # every other row is paused: no step will come
+    t0 = time.monotonic()
+    for _ in range(10):
+        turns.side_checkpoint(lambda: False)
+    assert time.monotonic() - t0 < 2.0
+    assert turns.counts.side_turns == 10 and turns.counts.side_timeouts == 0
+
+
+@pytest.fixture
+def side_worker(monkeypatch):
+    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
+    w = mlx_notebook.Worker(prompt_cache_gb=0)
+    yield w
+    assert w.shutdown(timeout=60), "worker thread did not end"
+
+
+def test_a_prompt_joining_on_the_prefill_thread_takes_the_device_in_turns(side_worker, tiny_model, monkeypatch):
+    made: list[DeviceTurns] = []
+
+    def spy(**kwargs):
+        turns = DeviceTurns(**kwargs)
+        made.append(turns)
+        return turns
+
+    monkeypatch.setattr(session_module, "DeviceTurns", spy)
+    prompt = "Once upon a time the quick brown fox"
+    long_prompt = [(41 * i) % 250 + 20 for i in range(1500)]
+    rows = [mlx_notebook.generate(prompt, model=tiny_model, worker=side_worker, max_tokens=100_000) for _ in range(2)]
+    for row in rows:
+        wait_tokens(row, 3)
+    joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=side_worker, max_tokens=4, stop_budget=0.02)
+    joiner.result(timeout=120)
+    for row in rows:
+        row.cancel()
+    for row in rows:
+        assert row.wait(60)
+    assert joiner.stats.batch_size == 3
+    assert len(made) == 1
+    counts = made[0].counts
+    assert counts.side_turns >= 2 and counts.worker_turns >= 2, counts
