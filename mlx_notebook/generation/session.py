@@ -9,7 +9,8 @@ streaming while a new prompt is read: between two of their tokens there is at
 most one prefill piece (sized to the budget) and one step. Where the device
 builds kernels per shape, a prompt that joins rows already streaming is
 prefilled on the prefill thread instead (:mod:`.prefill_thread`), one at a
-time, while this loop steps the others; it joins at the loop's next look.
+time, while this loop steps the others, the two taking the device in turns
+(:mod:`.device_turns`); it joins at the loop's next look.
 
 Rows of the model's own cache share one batch; a row with a quantized or
 rotating cache (``kv_bits``, ``max_kv_size``) decodes in a batch of its own,
@@ -101,6 +102,8 @@ class _Side:
     reserve: batch_cache.Reserve | None = None
     reserved: bool = False
     dropped: threading.Event = field(default_factory=threading.Event)
+    # How it and the others' steps take the device in turns. ``None`` only where a benchmark turns them off to
+    # compare with the library before them (benchmarks/results/join_device_turns_probe_session32.py.txt).
     turns: DeviceTurns | None = None
 
 
@@ -305,8 +308,9 @@ class Session:
         thread = self.jobs.prefill_thread() if self._streaming() and self.loaded is not None else None
         if thread is not None and KVSettings.of(gen.request).plain:
             budget = gen.request.stop_budget
-            # The prompt hands the device over after about half a budget (its pieces fit PREFILL_SHARE of it,
-            # so about once a piece); the others wait at most one budget for it.
+            # The prompt hands the device over after about half a budget (its layer groups are sized to half of
+            # it: a group or two a turn), so the others' gap is about a step and a budget; they wait at most one
+            # budget for it, and it waits for one of their steps (at most 4 budgets: a save may hold the worker).
             turns = DeviceTurns(slice_s=budget * OTHERS_STEP_SHARE, worker_wait_s=budget, side_wait_s=4 * budget)
             side = self._side = _Side(reporter, turns=turns)
             side.job = thread.submit(lambda stream: self._side_row(reporter, stack, stream, side))
@@ -317,7 +321,7 @@ class Session:
 
     def _pace(self, reporter: Reporter, stream: mx.Stream, side: _Side | None) -> Pace:
         """A generation's pace: on the worker thread its checkpoints step the others (and a pause does too);
-        on the prefill thread they only check (the worker steps the others meanwhile)."""
+        on the prefill thread they hand the device to the others' steps in turn (the worker runs them)."""
         gen = reporter.generation
         if side is not None:
             turns = side.turns
