@@ -367,6 +367,8 @@ class Trace:
 
         self.wrap(decode_batch.DecodeBatch, "step", "step")
         self.wrap(decode_batch.DecodeBatch, "_admit", "admit")
+        self.wrap(decode_batch.DecodeBatch, "_evaluate", "read")
+        self.wrap(decode_batch.DecodeBatch, "_take_out", "take_out")
         self.wrap(pieces.LayerRunner, "run", "chunk")
         self.wrap(pieces.ChunkRunner, "run", "chunk")
         self.wrap(pieces.LayerRunner, "_hook", "hook")
@@ -526,7 +528,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     }
 
 
-def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng):
+def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng, trace=False):
     """Stop every row at once (the Stop of each, as an interrupt does) in the first steps after a prompt joined.
 
     The steps right after a join are the batch's least settled: the joiner's
@@ -535,8 +537,10 @@ def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng):
     lets rows decode, joins ``join_ids``, waits for the joiner's first token
     (its row admitted), then 0-2 of the others' steps, and cancels every row;
     each row's stop is timed from the first ``cancel()`` to its end reported.
+    ``trace``: print what the worker did in the round whose last stop took longest.
     """
-    latencies, steps, after_tokens = [], [], []
+    latencies, steps, after_tokens, last_ms = [], [], [], []
+    slowest: tuple[float, list[str]] = (-1.0, [])
     for _ in range(rounds):
         gens = [
             mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
@@ -562,13 +566,21 @@ def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng):
             time.sleep(0.0005)
         time.sleep(rng.uniform(0.0, 2 * step))
         after_tokens.append(len(joiner.tokens))
-        t0 = time.perf_counter()
-        for g in everyone:
-            g.cancel()
-        for g in everyone:
-            if not g.wait(timeout=60):
-                raise TimeoutError(f"a row did not stop in 60 s ({g.state})")
-        latencies += [ended[g.id] - t0 for g in everyone]
+        tracer = Trace()
+        with tracer if trace else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for g in everyone:
+                g.cancel()
+            for g in everyone:
+                if not g.wait(timeout=60):
+                    raise TimeoutError(f"a row did not stop in 60 s ({g.state})")
+        round_ = [ended[g.id] - t0 for g in everyone]
+        latencies += round_
+        last_ms.append(round(1000 * max(round_), 2))
+        if trace and max(round_) > slowest[0]:
+            slowest = (max(round_), tracer.around(t0, t0 + max(round_)))
+    if trace:
+        print("slowest join stop:", " | ".join(slowest[1]), flush=True)
     step = statistics.median(steps)
     return {
         "rows": len(prompts) + 1,
@@ -580,6 +592,7 @@ def join_stop_rounds(worker, name, prompts, join_ids, budget, rounds, rng):
         "others_step_ms": 1000 * step,
         "max_budget_or_step_plus_30_ms": 1000 * (max(budget, step) + 0.03),
         "joiner_tokens_at_stop": after_tokens,
+        "last_stop_of_each_round_ms": last_ms,
     }
 
 
@@ -794,6 +807,7 @@ def main() -> None:
             args.budget,
             args.join_stop_rounds,
             rng,
+            trace=args.trace,
         )
         print(json.dumps(result["join_stop_ms"]), flush=True)
         save(result, args.out)
