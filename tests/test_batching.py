@@ -138,6 +138,54 @@ def test_a_prompt_joins_while_the_batchs_step_runs_and_every_row_keeps_its_solo_
         assert row.tokens[:24] == solo[prompt, seed]
 
 
+@pytest.mark.parametrize("action", ["pause", "cancel"])
+def test_a_row_paused_or_stopped_right_after_it_joined_ahead_leaves_every_row_exact(
+    worker, tiny_model, solo, action, monkeypatch
+):
+    """The request lands after the joiner merged beside the step in flight and before that step is read: the
+    first joined step, built ahead, is cut back for it (pause: parked as if it never joined; stop: reported)."""
+    from mlx_notebook.generation.decode_batch import DecodeBatch
+
+    hit: list = []
+    admit = DecodeBatch._admit
+
+    def spy(self):
+        ahead, joining = self._y is not None and bool(self.ready), list(self.ready)
+        admit(self)
+        if ahead and not hit:
+            for row in joining:
+                if row in self.rows:
+                    hit.append(row)
+                    getattr(row.pace.token, action)()
+
+    monkeypatch.setattr(DecodeBatch, "_admit", spy)
+    sampling = {"temperature": 0.8, "seed": 3}
+    rows = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=400, **sampling) for p in PROMPTS[:2]]
+    for row in rows:
+        wait_tokens(row, 3)
+    joiner = mlx_notebook.generate(PROMPTS[3], model=tiny_model, worker=worker, max_tokens=24, **sampling)
+    try:
+        if action == "pause":
+            wait_state(joiner, "paused")
+            assert joiner.tokens == []
+            joiner.resume()
+            joiner.result(timeout=120)
+            assert joiner.tokens == solo[PROMPTS[3], 3]
+        else:
+            assert joiner.wait(60) and joiner.state == "stopped"
+            assert joiner.tokens == []
+        for row in rows:
+            wait_tokens(row, 24)
+    finally:  # the worker is the module's: nothing of this test may run on into the next
+        for gen in [*rows, joiner]:
+            gen.cancel()
+        for gen in [*rows, joiner]:
+            assert gen.wait(60)
+    assert len(hit) == 1, "the request did not land in the window"
+    for prompt, row in zip(PROMPTS[:2], rows):
+        assert row.tokens[:24] == solo[prompt, 3]
+
+
 @pytest.fixture
 def reserves(monkeypatch):
     """What the session reserved for joins: ``made`` (each reservation's arguments) and ``taken``
