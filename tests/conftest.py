@@ -62,10 +62,19 @@ def worker():
     assert w.shutdown(timeout=60), "worker thread did not end"
 
 
+@pytest.fixture
+def side_worker(monkeypatch):
+    """A worker that prefills every joining prompt on its prefill thread (the CUDA default, forced on the CPU)."""
+    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
+    w = mlx_notebook.Worker(prompt_cache_gb=0)
+    yield w
+    assert w.shutdown(timeout=60), "worker thread did not end"
+
+
 # Fixtures that start a real Jupyter kernel (a test that starts one itself is marked ``kernel``).
 _KERNEL_FIXTURES = {"kernel", "campaign"}
 # Fixtures that load a model file: a ``unit`` test uses none of them, nor a kernel.
-_MODEL_FIXTURES = {"tiny_model", "worker", "model_name", "quantized_worker", *_KERNEL_FIXTURES}
+_MODEL_FIXTURES = {"tiny_model", "worker", "side_worker", "model_name", "quantized_worker", *_KERNEL_FIXTURES}
 
 
 def pytest_runtest_setup(item) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 import mlx_notebook
 from mlx_notebook.generation import session as session_module
 from mlx_notebook.generation.device_turns import DeviceTurns
@@ -65,16 +63,22 @@ def run_worker(turns: DeviceTurns, held: Held, done: threading.Event, step_s: fl
             held.leave("worker")
 
 
-def test_a_piece_and_a_step_alternate_and_never_hold_the_device_together():
-    # The prompt hands over at every checkpoint (slice 0); waits long enough never to run out here.
-    turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=5.0)
-    held, done, stop = Held(), threading.Event(), threading.Event()
-    worker = threading.Thread(target=run_worker, args=(turns, held, done, 0.002))
+def run_both(turns: DeviceTurns, pieces: int, piece_s: float, step_s: float) -> Held:
+    """The prompt's ``pieces`` on this thread while a worker thread steps; who held the device, in order."""
+    held, done = Held(), threading.Event()
+    worker = threading.Thread(target=run_worker, args=(turns, held, done, step_s))
     worker.start()
-    run_side(turns, held, pieces=20, piece_s=0.002, stop=stop)
+    run_side(turns, held, pieces=pieces, piece_s=piece_s, stop=threading.Event())
     done.set()
     worker.join(DEADLINE_S)
     assert not worker.is_alive()
+    return held
+
+
+def test_a_piece_and_a_step_alternate_and_never_hold_the_device_together():
+    # The prompt hands over at every checkpoint (slice 0); waits long enough never to run out here.
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=5.0)
+    held = run_both(turns, pieces=20, piece_s=0.002, step_s=0.002)
     assert held.overlaps == []
     assert turns.counts.side_timeouts == 0 and turns.counts.worker_timeouts == 0
     sides = [i for i, who in enumerate(held.order) if who == "side"]
@@ -86,12 +90,7 @@ def test_a_piece_and_a_step_alternate_and_never_hold_the_device_together():
 
 def test_the_prompt_holds_the_device_for_its_slice_then_hands_it_over():
     turns = DeviceTurns(slice_s=0.05, worker_wait_s=5.0, side_wait_s=5.0)
-    held, done, stop = Held(), threading.Event(), threading.Event()
-    worker = threading.Thread(target=run_worker, args=(turns, held, done, 0.001))
-    worker.start()
-    run_side(turns, held, pieces=40, piece_s=0.005, stop=stop)
-    done.set()
-    worker.join(DEADLINE_S)
+    held = run_both(turns, pieces=40, piece_s=0.005, step_s=0.001)
     assert held.overlaps == []
     runs, run = [], 0
     for who in held.order:
@@ -145,14 +144,6 @@ def test_an_idle_worker_does_not_hold_the_prompt_up():
         turns.side_checkpoint(lambda: False)
     assert time.monotonic() - t0 < 2.0
     assert turns.counts.side_turns == 10 and turns.counts.side_timeouts == 0
-
-
-@pytest.fixture
-def side_worker(monkeypatch):
-    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
-    w = mlx_notebook.Worker(prompt_cache_gb=0)
-    yield w
-    assert w.shutdown(timeout=60), "worker thread did not end"
 
 
 def test_a_prompt_joining_on_the_prefill_thread_takes_the_device_in_turns(side_worker, tiny_model, monkeypatch):

@@ -22,14 +22,6 @@ PREFILL_THREAD = "mlx-notebook-prefill"
 
 
 @pytest.fixture
-def side_worker(monkeypatch):
-    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
-    w = mlx_notebook.Worker(prompt_cache_gb=0)
-    yield w
-    assert w.shutdown(timeout=60), "worker thread did not end"
-
-
-@pytest.fixture
 def prefill_threads(monkeypatch):
     """The name of the thread each prefill ran on, in order."""
     names: list[str] = []
