@@ -186,6 +186,72 @@ def test_a_row_paused_or_stopped_right_after_it_joined_ahead_leaves_every_row_ex
         assert row.tokens[:24] == solo[prompt, 3]
 
 
+@pytest.mark.parametrize("action", ["pause", "cancel"])
+def test_every_row_leaving_while_the_next_step_is_built_ahead_is_cut_out_without_computing_it(
+    worker, tiny_model, solo, action, monkeypatch
+):
+    """Every row is paused or stopped after the step that follows the one in flight was built (lazily, not
+    queued): each row's copy is cut from the cache as the step read left it, so it holds none of the built
+    step's layers (cut after them, its evaluation computed that whole step: 60 of the last row's 81 ms in a
+    CPU stop of 4 rows), and a pause resumes to exactly the solo tokens (no position of that step kept)."""
+    import io
+
+    import mlx.core as mx
+
+    from mlx_notebook.generation import batch_cache
+    from mlx_notebook.generation.decode_batch import DecodeBatch
+
+    hit: list = []
+    copies: list[str] = []
+    forward, extract = DecodeBatch._forward, batch_cache.extract
+
+    def spy_forward(self, inputs, *args, **kwargs):
+        step = forward(self, inputs, *args, **kwargs)
+        built_ahead = isinstance(inputs, mx.array)  # the read tokens are a list; a step in flight's, an array
+        if built_ahead and not hit and len(self.rows) == 3 and all(len(r.tokens) >= 3 for r in self.rows):
+            hit.append(len(self.rows))
+            for row in self.rows:
+                getattr(row.pace.token, action)()
+        return step
+
+    def spy_extract(*args, **kwargs):
+        single = extract(*args, **kwargs)
+        if hit:
+            out = io.StringIO()
+            mx.export_to_dot(out, *batch_cache.state_arrays(single))
+            copies.append(out.getvalue())
+        return single
+
+    monkeypatch.setattr(DecodeBatch, "_forward", spy_forward)
+    monkeypatch.setattr(batch_cache, "extract", spy_extract)
+    sampling = {"temperature": 0.8, "seed": 3}
+    prompts = PROMPTS[:3]
+    rows = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=24, **sampling) for p in prompts]
+    try:
+        if action == "pause":
+            for row in rows:
+                wait_state(row, "paused")
+            for row in rows:
+                row.resume()
+            for row in rows:
+                row.result(timeout=120)
+        else:
+            for row in rows:
+                assert row.wait(60) and row.state == "stopped"
+    finally:  # the worker is the module's: nothing of this test may run on into the next
+        for row in rows:
+            row.cancel()
+        for row in rows:
+            assert row.wait(60)
+    assert hit == [3], "the requests did not land while a step was built ahead"
+    assert len(copies) >= 3, copies  # the three rows' copies as they left, then (pause) as they ended
+    for graph in copies[:3]:
+        assert "Matmul" not in graph, "a leaving row's copy computes the step built ahead"
+    if action == "pause":
+        for prompt, row in zip(prompts, rows):
+            assert row.tokens == solo[prompt, 3]
+
+
 @pytest.fixture
 def reserves(monkeypatch):
     """What the session reserved for joins: ``made`` (each reservation's arguments) and ``taken``

@@ -189,18 +189,41 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
     return [p - shift for p in new_pads]
 
 
-def extract(batch: Cache, pads: list[int], row: int) -> Cache:
-    """Row ``row`` as a single-sequence cache (a copy), as ``BatchKVCache.extract`` without the read-back."""
+LayerState = tuple[mx.array | None, mx.array | None, int]
+
+
+def snapshot(batch: Cache) -> list[LayerState]:
+    """Each layer's ``(keys, values, write index)`` now: what :func:`extract` may cut rows from later.
+
+    A step built (lazily) writes its position into the layers' arrays; a
+    copy cut from them after that computes the whole step up to each layer.
+    The write rewrites the layer's array object in place (``__setitem__``),
+    so the snapshot holds views (``[:]``, no copy) of what they are now.
+    Hold it only until that step is queued: while it holds the arrays the
+    step's write cannot reuse their buffers, and copies them.
+    """
+    return [(_view(layer.keys), _view(layer.values), layer._idx) for layer in batch]
+
+
+def _view(a: mx.array | None) -> mx.array | None:
+    return a[:] if a is not None else None
+
+
+def extract(batch: Cache, pads: list[int], row: int, state: list[LayerState] | None = None) -> Cache:
+    """Row ``row`` as a single-sequence cache (a copy), as ``BatchKVCache.extract`` without the read-back.
+
+    ``state``: a :func:`snapshot` of ``batch`` to cut from instead of its arrays now.
+    """
     from mlx_lm.models.cache import KVCache
 
     out = []
     pad = pads[row]
-    for layer in batch:
+    for keys, values, idx in state if state is not None else snapshot(batch):
         single = KVCache()
-        if layer.keys is not None and layer._idx > pad:
-            single.keys = mx.contiguous(layer.keys[row : row + 1, :, pad : layer._idx])
-            single.values = mx.contiguous(layer.values[row : row + 1, :, pad : layer._idx])
-            single.offset = layer._idx - pad
+        if keys is not None and values is not None and idx > pad:
+            single.keys = mx.contiguous(keys[row : row + 1, :, pad:idx])
+            single.values = mx.contiguous(values[row : row + 1, :, pad:idx])
+            single.offset = idx - pad
         out.append(single)
     return out
 
@@ -210,4 +233,4 @@ def state_arrays(cache: Cache) -> list[mx.array]:
     return [a for layer in cache if layer.keys is not None for a in (layer.keys, layer.values)]
 
 
-__all__ = ["Reserve", "batchable", "extend", "extract", "keep_rows", "length", "merge", "state_arrays"]
+__all__ = ["Reserve", "batchable", "extend", "extract", "keep_rows", "length", "merge", "snapshot", "state_arrays"]

@@ -228,6 +228,9 @@ class DecodeBatch:
         self.in_flight = 1
         self._last_read = 0.0
         self.steps = 0
+        # The cache as the step in flight leaves it, while the next step is built but not queued:
+        # rows leaving then are cut out of it (see _cut_out). None otherwise.
+        self._before_ahead: list[batch_cache.LayerState] | None = None
         # ``step(hold=True)`` is running; the step in ``_y`` is built but not queued yet.
         self._hold = False
         self._held = False
@@ -438,6 +441,8 @@ class DecodeBatch:
             if joined:
                 inputs = mx.concatenate([y.tokens, mx.array(joined, dtype=y.tokens.dtype)])
         if any(continuing) and not self.ready:
+            if len(self.rows) > 1:
+                self._before_ahead = batch_cache.snapshot(self._cache)
             if any(r.matcher is not None for r in self.rows):
                 # A constrained row's next mask needs ``y``'s token read and fed
                 # to its matcher: only the forward is built ahead, queued right
@@ -464,6 +469,7 @@ class DecodeBatch:
                     and not self._hold
                     and not any(r.pace.requested for r in self.rows)
                 ):
+                    self._before_ahead = None
                     with self._released():
                         mx.async_eval(nxt.arrays())
                     queued = True
@@ -472,6 +478,7 @@ class DecodeBatch:
             whole = self._evaluate(y)
         if not whole:
             # Every row was stopped between two groups of the step's layers: its tokens are never read.
+            self._before_ahead = None
             self._change_rows([r.next_token for r in self.rows], None)
             return
         # Rows that joined while ``y`` ran: the token the step built ahead feeds them stands for theirs.
@@ -494,6 +501,7 @@ class DecodeBatch:
             if any(staying):
                 # A row goes on: queue the next step now, before the
                 # reporting, so the device idles only while it is encoded.
+                self._before_ahead = None
                 with self._released():
                     mx.async_eval(nxt.first_piece() if nxt is not None else ahead)
         for i, (row, tok, more) in enumerate(zip(self.rows, tokens, continuing)):
@@ -609,15 +617,18 @@ class DecodeBatch:
         if leaving:
             self.interrupted()  # the next step's interval holds the leaving and is another batch's
             keep = [i for i in range(len(self.rows)) if i not in leaving]
+            copies = {i: self._cut_out(i) for i in leaving}
             if not keep:
                 # The batch empties: nothing may stay in flight when the last
-                # row is reported (a stop-all, an interrupt, a pause of all).
+                # row is reported (a stop-all, an interrupt, a pause of all),
+                # the leaving rows' copies out of the batch's arrays included.
+                mx.async_eval([a for c in copies.values() if c is not self._cache for a in batch_cache.state_arrays(c)])
                 mx.synchronize(self.stream)
                 self.interrupted()  # the next rows' first step is not measured from these
             for i in leaving:
                 self._take_out(
                     self.rows[i],
-                    i,
+                    copies[i],
                     tokens[i],
                     built_ahead=nxt is not None or ahead is not None,
                     sampled=nxt is not None,
@@ -632,6 +643,7 @@ class DecodeBatch:
             else:
                 self._cache, self._pads, self.rows = [], [], []
                 nxt = ahead = None
+        self._before_ahead = None
         if nxt is not None:
             self._queue(nxt)  # queued already unless every row was leaving
             return
@@ -679,14 +691,28 @@ class DecodeBatch:
         step.waited += 1
         return not self._all_stopped()
 
-    def _take_out(self, row: Row, index: int, tok: int, *, built_ahead: bool, sampled: bool) -> None:
-        """Row ``index`` leaves: parked (pause) or ended (done, stop).
+    def _cut_out(self, index: int) -> Cache:
+        """Row ``index``'s cache: a lone row's own, or a (lazy) copy out of the batch's arrays.
+
+        While the next step is built but not queued (every row leaves, or
+        the worker holds it) the copy is cut from the cache as the step read
+        left it: cut from the built step's arrays, it made the device compute
+        that whole step for nothing (a CPU stop of 4 rows right after a join:
+        60 of the last row's 81 ms), and the step stayed in flight after the
+        row was reported on a GPU.
+        """
+        if len(self.rows) == 1:
+            return self._cache
+        return batch_cache.extract(self._cache, self._pads, index, self._before_ahead)
+
+    def _take_out(self, row: Row, single: Cache, tok: int, *, built_ahead: bool, sampled: bool) -> None:
+        """``row`` leaves with its cache ``single`` (:meth:`_cut_out`): parked (pause) or ended (done, stop).
 
         ``built_ahead``: the next step's forward was built (its position of
-        keys and values is in the cache); ``sampled``: its sampling too (the
-        row's key was split for it).
+        keys and values is in the batch's cache); ``sampled``: its sampling
+        too (the row's key was split for it).
         """
-        single = self._cache if len(self.rows) == 1 else batch_cache.extract(self._cache, self._pads, index)
+        cut_before = single is not self._cache and self._before_ahead is not None
         if row.detached:
             # Reported already; its cache holds its prompt and read tokens (and
             # the dropped steps' positions, which ``keep`` trims off).
@@ -699,12 +725,14 @@ class DecodeBatch:
         if row.finish is None and token.pause_requested and not token.cancelled:
             if built_ahead:
                 # Drop this row's share of the step queued after ``tok``:
-                # undo its key split and trim ``tok``'s keys and values, so
-                # that resume computes exactly that step again.
+                # undo its key split and trim ``tok``'s keys and values (none
+                # in a copy cut before that step), so that resume computes
+                # exactly that step again.
                 if sampled:
                     row.sample.undo()
-                for layer in single:
-                    layer.trim(1)
+                if not cut_before:
+                    for layer in single:
+                        layer.trim(1)
             row.next_token = tok
             row.cache = single
             if single is not self._cache:
