@@ -339,6 +339,7 @@ class DecodeBatch:
                 self._unwatch(row)
             self.rows, self.ready, self.parked = [], [], []
             self._cache, self._pads, self._y = [], [], None
+            self._before_ahead = None  # a step failed between the build and the queue: its views go too
             return rows
 
     def _on_request(self) -> None:
