@@ -204,3 +204,51 @@ def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(wo
     finally:
         worker.prompt_cache_gb = prefix_cache.DEFAULT_PROMPT_CACHE_GB
     assert after.tokens == _fresh_run(folder, PROMPT).tokens
+
+
+def test_every_row_stopped_between_groups_leaves_without_computing_the_rest_of_the_step(
+    worker, folder: str, monkeypatch
+) -> None:
+    """Three rows in one-layer groups stopped together: when the stops land between two groups of a step, the
+    rest of it never runs. No row's cache is copied out of the batch then, since a copy would compute that rest
+    before the last row may be reported, over the stop's budget; so the prefix cache keeps none. The rows end
+    stopped and the next generation's tokens are a fresh worker's."""
+    from mlx_notebook.generation import batch_cache
+
+    events: list[str] = []
+    evaluate, extract = DecodeBatch._evaluate, batch_cache.extract
+
+    def evaluate_spy(self, step):
+        whole = evaluate(self, step)
+        events.append("read" if whole else "abandoned")
+        return whole
+
+    def extract_spy(*args, **kwargs):
+        events.append("copy")
+        return extract(*args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "_evaluate", evaluate_spy)
+    monkeypatch.setattr(batch_cache, "extract", extract_spy)
+    abandoned = 0
+    for round_ in range(60):
+        events.clear()
+        gens = [
+            mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
+            for p in LONG_PROMPTS
+        ]
+        for gen in gens:
+            wait_tokens(gen, 3 + round_ % 5)
+        for gen in gens:
+            gen.stop()
+        for gen in gens:
+            wait_state(gen, "stopped")
+            assert not gen.error
+        assert max(g.stats.batch_size for g in gens) == 3
+        if "abandoned" in events:
+            abandoned += 1
+            assert "copy" not in events[events.index("abandoned") :], events[-8:]
+            if abandoned >= 2:
+                break
+    assert abandoned >= 2, "the stops did not land between two groups twice in 60 rounds"
+    after = _run(worker, folder, PROMPT, 0.1, max_tokens=16)
+    assert after.tokens == _fresh_run(folder, PROMPT).tokens

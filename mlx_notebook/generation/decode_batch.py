@@ -426,7 +426,7 @@ class DecodeBatch:
             self._held = False
             if self._all_stopped():
                 # Stopped while their step waited unqueued: it never runs (as when they stop between two groups).
-                self._change_rows([r.next_token for r in self.rows], None)
+                self._change_rows([r.next_token for r in self.rows], None, abandoned=True)
                 return
             with self._released():
                 mx.async_eval(y.first_piece())
@@ -479,8 +479,7 @@ class DecodeBatch:
             whole = self._evaluate(y)
         if not whole:
             # Every row was stopped between two groups of the step's layers: its tokens are never read.
-            self._before_ahead = None
-            self._change_rows([r.next_token for r in self.rows], None)
+            self._change_rows([r.next_token for r in self.rows], None, abandoned=True)
             return
         # Rows that joined while ``y`` ran: the token the step built ahead feeds them stands for theirs.
         tokens = cast(list[int], y.tokens.tolist()) + [r.next_token for r in self.rows[reading:]]
@@ -607,23 +606,40 @@ class DecodeBatch:
         row.held = text[len(text) - keep :] if keep else ""
         row.sink.emit_split(token_ids, thought, text[: len(text) - keep])
 
-    def _change_rows(self, tokens: list[int], nxt: _Step | None, ahead: mx.array | None = None) -> None:
+    def _change_rows(
+        self, tokens: list[int], nxt: _Step | None, ahead: mx.array | None = None, *, abandoned: bool = False
+    ) -> None:
         """Drop finished, stopped and paused rows; admit the ready ones; queue the next step.
 
         ``nxt`` is the next step if it was built ahead; ``ahead`` its logits
         only (a constrained row in the batch): either way the cache holds one
         more position per row, which a pausing row gives back.
+
+        ``abandoned``: every row was stopped before the step in flight ended,
+        and the rest of it never runs. The rows' caches hold that step's
+        position in part, and a copy of any row would compute the rest of
+        the step before the last row may be reported, over the stop's
+        budget. So a batch's rows leave without a copy, and the prefix
+        cache keeps none of them. A lone row's own cache is kept as it is,
+        lazily, since it holds no other row's buffers.
         """
         leaving = [i for i, r in enumerate(self.rows) if r.finish is not None or r.pace.requested]
         if leaving:
             self.interrupted()  # the next step's interval holds the leaving and is another batch's
             keep = [i for i in range(len(self.rows)) if i not in leaving]
-            copies = {i: self._cut_out(i) for i in leaving}
+            copies = {i: None if abandoned and len(self.rows) > 1 else self._cut_out(i) for i in leaving}
             if not keep:
                 # The batch empties: nothing may stay in flight when the last
                 # row is reported (a stop-all, an interrupt, a pause of all),
                 # the leaving rows' copies out of the batch's arrays included.
-                mx.async_eval([a for c in copies.values() if c is not self._cache for a in batch_cache.state_arrays(c)])
+                mx.async_eval(
+                    [
+                        a
+                        for c in copies.values()
+                        if c is not None and c is not self._cache
+                        for a in batch_cache.state_arrays(c)
+                    ]
+                )
                 mx.synchronize(self.stream)
                 self.interrupted()  # the next rows' first step is not measured from these
             for i in leaving:
@@ -706,8 +722,9 @@ class DecodeBatch:
             return self._cache
         return batch_cache.extract(self._cache, self._pads, index, self._before_ahead)
 
-    def _take_out(self, row: Row, single: Cache, tok: int, *, built_ahead: bool, sampled: bool) -> None:
-        """``row`` leaves with its cache ``single`` (:meth:`_cut_out`): parked (pause) or ended (done, stop).
+    def _take_out(self, row: Row, single: Cache | None, tok: int, *, built_ahead: bool, sampled: bool) -> None:
+        """``row`` leaves with its cache ``single`` (:meth:`_cut_out`; ``None``: a stop that keeps none): parked
+        (pause) or ended (done, stop).
 
         ``built_ahead``: the next step's forward was built (its position of
         keys and values is in the batch's cache); ``sampled``: its sampling
@@ -717,6 +734,8 @@ class DecodeBatch:
         if row.detached:
             # Reported already; its cache holds its prompt and read tokens (and
             # the dropped steps' positions, which ``keep`` trims off).
+            if single is None:
+                return
             if single is not self._cache:
                 mx.async_eval(batch_cache.state_arrays(single))
             if self.keep is not None:
@@ -724,6 +743,7 @@ class DecodeBatch:
             return
         token = row.pace.token
         if row.finish is None and token.pause_requested and not token.cancelled:
+            assert single is not None  # an abandoned step's rows were all stopped
             if built_ahead:
                 # Drop this row's share of the step queued after ``tok``:
                 # undo its key split and trim ``tok``'s keys and values (none
