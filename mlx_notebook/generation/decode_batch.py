@@ -627,7 +627,9 @@ class DecodeBatch:
         if leaving:
             self.interrupted()  # the next step's interval holds the leaving and is another batch's
             keep = [i for i in range(len(self.rows)) if i not in leaving]
-            copies = {i: None if abandoned and len(self.rows) > 1 else self._cut_out(i) for i in leaving}
+            # Every row leaves before the step built ahead is queued: cut before it (see _cut_out).
+            before = self._before_ahead if not keep else None
+            copies = {i: None if abandoned and len(self.rows) > 1 else self._cut_out(i, before) for i in leaving}
             if not keep:
                 # The batch empties: nothing may stay in flight when the last
                 # row is reported (a stop-all, an interrupt, a pause of all),
@@ -647,7 +649,7 @@ class DecodeBatch:
                     self.rows[i],
                     copies[i],
                     tokens[i],
-                    built_ahead=nxt is not None or ahead is not None,
+                    built_ahead=(nxt is not None or ahead is not None) and (before is None or copies[i] is self._cache),
                     sampled=nxt is not None,
                 )
             if keep:
@@ -708,29 +710,30 @@ class DecodeBatch:
         step.waited += 1
         return not self._all_stopped()
 
-    def _cut_out(self, index: int) -> Cache:
+    def _cut_out(self, index: int, before: list[batch_cache.LayerState] | None = None) -> Cache:
         """Row ``index``'s cache: a lone row's own, or a (lazy) copy out of the batch's arrays.
 
-        While the next step is built but not queued (every row leaves, or
-        the worker holds it) the copy is cut from the cache as the step read
-        left it: cut from the built step's arrays, it made the device compute
-        that whole step for nothing (a CPU stop of 4 rows right after a join:
-        60 of the last row's 81 ms), and the step stayed in flight after the
-        row was reported on a GPU.
+        ``before``: views of the cache taken before the next step was built
+        (:func:`~.batch_cache.snapshot`), given when every row leaves before
+        that step is queued. Cut from the built step's arrays, the copies
+        made the device compute that whole step for nothing (a CPU stop of
+        4 rows right after a join: 60 of the last row's 81 ms). Where a row
+        stays the step runs anyway, and the copies are cut after it: cut
+        before, they would hold its input buffers while it writes them, and
+        it would copy them instead of writing in place.
         """
         if len(self.rows) == 1:
             return self._cache
-        return batch_cache.extract(self._cache, self._pads, index, self._before_ahead)
+        return batch_cache.extract(self._cache, self._pads, index, before)
 
     def _take_out(self, row: Row, single: Cache | None, tok: int, *, built_ahead: bool, sampled: bool) -> None:
         """``row`` leaves with its cache ``single`` (:meth:`_cut_out`; ``None``: a stop that keeps none): parked
         (pause) or ended (done, stop).
 
-        ``built_ahead``: the next step's forward was built (its position of
-        keys and values is in the batch's cache); ``sampled``: its sampling
-        too (the row's key was split for it).
+        ``built_ahead``: the next step's forward was built and its position
+        of keys and values is in ``single``; ``sampled``: its sampling was
+        built too (the row's key was split for it).
         """
-        cut_before = single is not self._cache and self._before_ahead is not None
         if row.detached:
             # Reported already; its cache holds its prompt and read tokens (and
             # the dropped steps' positions, which ``keep`` trims off).
@@ -744,16 +747,14 @@ class DecodeBatch:
         token = row.pace.token
         if row.finish is None and token.pause_requested and not token.cancelled:
             assert single is not None  # an abandoned step's rows were all stopped
+            # Drop this row's share of the step built after ``tok``: trim
+            # ``tok``'s keys and values and undo its key split, so that
+            # resume computes exactly that step again.
             if built_ahead:
-                # Drop this row's share of the step queued after ``tok``:
-                # undo its key split and trim ``tok``'s keys and values (none
-                # in a copy cut before that step), so that resume computes
-                # exactly that step again.
-                if sampled:
-                    row.sample.undo()
-                if not cut_before:
-                    for layer in single:
-                        layer.trim(1)
+                for layer in single:
+                    layer.trim(1)
+            if sampled:
+                row.sample.undo()
             row.next_token = tok
             row.cache = single
             if single is not self._cache:
