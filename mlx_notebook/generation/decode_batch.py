@@ -228,8 +228,8 @@ class DecodeBatch:
         self.in_flight = 1
         self._last_read = 0.0
         self.steps = 0
-        # The cache as the step in flight leaves it, while the next step is built but not queued:
-        # rows leaving then are cut out of it (see _cut_out). None otherwise.
+        # Views of the cache as the step in flight leaves it, while the next step is built but not
+        # queued: if every row leaves then, they are cut out of these (see _cut_out). None otherwise.
         self._before_ahead: list[batch_cache.LayerState] | None = None
         # ``step(hold=True)`` is running; the step in ``_y`` is built but not queued yet.
         self._hold = False
