@@ -252,6 +252,55 @@ def test_every_row_leaving_while_the_next_step_is_built_ahead_is_cut_out_without
             assert row.tokens == solo[prompt, 3]
 
 
+def test_every_row_stopped_is_reported_after_its_copy_out_of_the_batch_is_synchronized(worker, tiny_model, monkeypatch):
+    """Invariant 2 for a batch that empties: the rows' copies out of its arrays (kept for prefix reuse) are
+    queued before the stream is synchronized, so nothing is queued between that synchronize and the last
+    row's report (they were queued after it, and ran after the report)."""
+    import io
+
+    import mlx.core as mx
+
+    events: list[str] = []
+    recording = [False]
+    async_eval, synchronize = mx.async_eval, mx.synchronize
+
+    def aev(*args, **kwargs):
+        if recording[0]:
+            arrays = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+            graph = io.StringIO()
+            mx.export_to_dot(graph, *arrays)
+            # An evaluated array's graph has no operation left: queueing it again queues nothing.
+            events.append("queue" if "label" in graph.getvalue() else "again")
+        return async_eval(*args, **kwargs)
+
+    def sync(*args, **kwargs):
+        result = synchronize(*args, **kwargs)
+        if recording[0]:
+            events.append("sync")
+        return result
+
+    monkeypatch.setattr(mx, "async_eval", aev)
+    monkeypatch.setattr(mx, "synchronize", sync)
+    for _ in range(3):
+        rows = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=400) for p in PROMPTS[:3]]
+        for row in rows:
+            row.add_listener(lambda e: events.append("report") if e.kind == "state" and e.state.final else None)
+        for row in rows:
+            wait_tokens(row, 3)
+        events.clear()
+        recording[0] = True
+        for row in rows:
+            row.cancel()
+        for row in rows:
+            assert row.wait(60) and row.state == "stopped"
+        recording[0] = False
+        assert max(r.stats.batch_size for r in rows) == 3
+        last = len(events) - 1 - events[::-1].index("report")
+        assert "sync" in events[:last], events
+        synced = last - 1 - events[last - 1 :: -1].index("sync")
+        assert "queue" not in events[synced:last], events
+
+
 @pytest.fixture
 def reserves(monkeypatch):
     """What the session reserved for joins: ``made`` (each reservation's arguments) and ``taken``
