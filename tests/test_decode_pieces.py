@@ -177,6 +177,22 @@ def test_rows_in_groups_build_the_next_step_between_the_groups_of_the_one_in_fli
     assert fed > 5 * (len(waits) - fed), {"fed": fed, "waited": len(waits) - fed}
 
 
+def _stop_three_rows_together(worker, folder: str, tokens_first: int) -> None:
+    """Three rows in one-layer groups, each stopped after ``tokens_first`` tokens: all end stopped, batched."""
+    gens = [
+        mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
+        for p in LONG_PROMPTS
+    ]
+    for gen in gens:
+        wait_tokens(gen, tokens_first)
+    for gen in gens:
+        gen.stop()
+    for gen in gens:
+        wait_state(gen, "stopped")
+        assert not gen.error
+    assert max(g.stats.batch_size for g in gens) == 3
+
+
 def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(worker, folder: str, monkeypatch) -> None:
     """Three rows in one-layer groups stopped together (a kernel interrupt's cancel), until a stop has landed
     while the next step's build waited for a group of the one in flight: every row ends stopped, nothing is
@@ -187,18 +203,7 @@ def test_every_row_in_groups_stopped_at_once_ends_and_the_model_stays_correct(wo
         for round_ in range(60):
             if (True, False) in waits and round_ >= 3:
                 break
-            gens = [
-                mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
-                for p in LONG_PROMPTS
-            ]
-            for gen in gens:
-                wait_tokens(gen, 3 + round_ % 7)
-            for gen in gens:
-                gen.stop()
-            for gen in gens:
-                wait_state(gen, "stopped")
-                assert not gen.error
-            assert max(g.stats.batch_size for g in gens) == 3
+            _stop_three_rows_together(worker, folder, 3 + round_ % 7)
         assert (True, False) in waits, "no stop landed while a build waited for a group, in 60 rounds"
         after = _run(worker, folder, PROMPT, 0.1, max_tokens=16)
     finally:
@@ -232,18 +237,7 @@ def test_every_row_stopped_between_groups_leaves_without_computing_the_rest_of_t
     abandoned = 0
     for round_ in range(60):
         events.clear()
-        gens = [
-            mlx_notebook.generate(p, model=folder, worker=worker, max_tokens=300, stop_budget=TINY_BUDGET)
-            for p in LONG_PROMPTS
-        ]
-        for gen in gens:
-            wait_tokens(gen, 3 + round_ % 5)
-        for gen in gens:
-            gen.stop()
-        for gen in gens:
-            wait_state(gen, "stopped")
-            assert not gen.error
-        assert max(g.stats.batch_size for g in gens) == 3
+        _stop_three_rows_together(worker, folder, 3 + round_ % 5)
         if "abandoned" in events:
             abandoned += 1
             assert "copy" not in events[events.index("abandoned") :], events[-8:]

@@ -218,7 +218,8 @@ def extract(batch: Cache, pads: list[int], row: int, state: list[LayerState] | N
 
     out = []
     pad = pads[row]
-    for keys, values, idx in state if state is not None else snapshot(batch):
+    layers = state if state is not None else [(layer.keys, layer.values, layer._idx) for layer in batch]
+    for keys, values, idx in layers:
         single = KVCache()
         if keys is not None and values is not None and idx > pad:
             single.keys = mx.contiguous(keys[row : row + 1, :, pad:idx])
