@@ -1,0 +1,145 @@
+"""Sibling projections of one input as one product: attention's q/k/v, the MLP's gate/up.
+
+A decode step of an 8B model on MLX's CUDA backend is bound by host time per
+kernel call (cuBLASLt's descriptors and heuristic on every call for 2+ rows,
+the launch for one row: ``skinny_matmul``'s docstring has the figures). A
+llama layer makes seven products; q/k/v read one input and so do gate/up, so
+with their weights' rows concatenated a layer makes four, and a 32-layer step
+96 fewer calls. The parts are column slices of the one product (views, no
+copy); each dot product is the one the separate layers computed.
+
+Done in place after a load (:func:`fuse`) by swapping each sibling for a
+:class:`Part` of one shared product; the model's own forward is untouched.
+The first part called with an input computes the product for all of them;
+the others called with the *same* input (by identity) take their slice. A
+part called with another input (a thread running the same model meanwhile:
+the prefill thread beside the decode worker) computes the product itself, so
+an interleaving costs work, never a wrong result.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger(__name__)
+
+# Sibling linear layers that read one input, by the attribute names mlx-lm's models use.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Model types whose forward calls each group above on one input, in order (read in mlx-lm's
+# models/llama.py, qwen2.py, qwen3.py, mistral.py): elsewhere a group's members may read
+# different inputs, and each would pay the whole product.
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class _Product:
+    """The one product of a group: computed once per input, handed out as column slices."""
+
+    def __init__(self, linear: nn.Module, widths: list[int]) -> None:
+        self.linear = linear
+        self.splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+        self.last = len(widths) - 1
+        # (input, parts) of the latest call; replaced whole, so a reader on another thread sees one pair.
+        self._latest: tuple[mx.array, list[mx.array]] | None = None
+
+    def part(self, i: int, x: mx.array) -> mx.array:
+        latest = self._latest
+        if latest is None or latest[0] is not x:
+            latest = (x, list(mx.split(self.linear(x), self.splits, axis=-1)))
+            self._latest = latest
+        if i == self.last and self._latest is latest:
+            # Let go of the input and the parts: a forward's arrays are not kept past it.
+            self._latest = None
+        return latest[1][i]
+
+
+class Part(nn.Module):
+    """One sibling of a fused group: its slice of the group's product.
+
+    The group's first part holds the fused layer (``fused``) so the model's
+    parameters hold each weight once; the rest reach it through the shared
+    :class:`_Product`, a plain object the module tree does not walk.
+    """
+
+    def __init__(self, product: _Product, index: int, width: int) -> None:
+        super().__init__()
+        if index == 0:
+            self.fused = product.linear
+        self._product = product
+        self._index = index
+        self.width = width
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._product.part(self._index, x)
+
+
+def _arrays(layer: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in layer.items() if isinstance(v, mx.array)}
+
+
+def _joinable(layers: list[nn.Module]) -> bool:
+    """Whether ``layers`` are alike linear layers (plain, or quantized the same way) of one input width."""
+    first = layers[0]
+    kind = type(first)
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(m) is not kind for m in layers):
+        return False
+    keys = set(_arrays(first))
+    if any(set(_arrays(m)) != keys for m in layers):
+        return False
+    if any(
+        m["weight"].shape[1:] != first["weight"].shape[1:] or m["weight"].dtype != first["weight"].dtype for m in layers
+    ):
+        return False
+    if kind is nn.QuantizedLinear:
+        same = ("group_size", "bits", "mode")
+        return all(getattr(m, a, None) == getattr(first, a, None) for m in layers for a in same)
+    return True
+
+
+def _join(layers: list[nn.Module]) -> nn.Module:
+    """One layer whose output is ``layers``' outputs side by side (their arrays' rows concatenated)."""
+    first = layers[0]
+    joined = {k: mx.concatenate([m[k] for m in layers], axis=0) for k in _arrays(first)}
+    fused = type(first).__new__(type(first))
+    nn.Module.__init__(fused)
+    for name, value in vars(first).items():
+        # Plain attributes (a quantized layer's bits, group size, mode): copied as they are.
+        setattr(fused, name, value)
+    for name, value in joined.items():
+        fused[name] = value
+    return fused
+
+
+def fuse(model: nn.Module, model_type: str | None) -> int:
+    """Replace ``model``'s sibling projections with :class:`Part` s of one product each; the groups fused.
+
+    A no-op for model types not in :data:`MODEL_TYPES`. Each group's new
+    weight is evaluated before the next group is built, so at most one
+    group's weights are held twice.
+    """
+    if model_type not in MODEL_TYPES:
+        return 0
+    fused = 0
+    for _, module in model.named_modules():
+        for names in SIBLINGS:
+            found = [module.get(n) for n in names]
+            layers = [m for m in found if isinstance(m, nn.Module)]
+            if len(layers) != len(names) or not _joinable(layers):
+                continue
+            joined = _join(layers)
+            mx.eval(joined.parameters())
+            widths = [m["weight"].shape[0] for m in layers]
+            product = _Product(joined, widths)
+            for i, (name, width) in enumerate(zip(names, widths)):
+                module[name] = Part(product, i, width)
+            fused += 1
+    log.debug("fused %d groups of projections", fused)
+    return fused
+
+
+__all__ = ["MODEL_TYPES", "SIBLINGS", "Part", "fuse"]
