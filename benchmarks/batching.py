@@ -61,7 +61,7 @@ import mlx.core as mx
 from benchmarks.bench import SYNTHETIC, gpu_state, open_model, percentile, prompt_ids, save
 from benchmarks.solo_engine import Engine
 from mlx_notebook.control import unpaced
-from mlx_notebook.generation import prefill_thread, skinny_matmul, warm_up
+from mlx_notebook.generation import fused_projections, prefill_thread, skinny_matmul, warm_up
 from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
 from mlx_notebook.loading.policy import batch_decode
@@ -125,8 +125,8 @@ def mlx_lm_batch(worker, name, prompts, max_tokens):
     def job(store):
         t0 = time.perf_counter()
         loaded = store.get(name)
-        # mlx-lm's side runs MLX's own matmuls, not the skinny kernel the worker installed.
-        with skinny_matmul.unpatched(loaded.model):
+        # mlx-lm's side runs MLX's own matmuls and separate projections, not the worker's kernel and fusion.
+        with skinny_matmul.unpatched(loaded.model), fused_projections.unfused(loaded.model):
             gen = BatchGenerator(
                 loaded.model, stop_tokens=None, stream=worker.stream, completion_batch_size=len(prompts)
             )
@@ -691,9 +691,19 @@ def main() -> None:
         "MLX_NOTEBOOK_PREFILL_THREAD": os.environ.get("MLX_NOTEBOOK_PREFILL_THREAD", "(unset: the default)"),
         "prefill_thread": prefill_thread.wanted(),
         "skinny_matmul": skinny_matmul.wanted(),
+        "fused_projections": fused_projections.wanted(),
         "gpu_state": {"start": gpu_state()},
     }
-    keys = ("device", "blas", "MLX_NOTEBOOK_BATCH", "batch_decode", "prefill_thread", "skinny_matmul", "gpu_state")
+    keys = (
+        "device",
+        "blas",
+        "MLX_NOTEBOOK_BATCH",
+        "batch_decode",
+        "prefill_thread",
+        "skinny_matmul",
+        "fused_projections",
+        "gpu_state",
+    )
     print(
         json.dumps({k: result[k] for k in keys}),
         flush=True,

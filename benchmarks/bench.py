@@ -38,7 +38,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_notebook.generation import warm_up
+from mlx_notebook.generation import fused_projections, warm_up
 
 SYNTHETIC = {
     # Random weights in real shapes, with tokenizers of real size (testkit.real_tokenizer):
@@ -180,10 +180,12 @@ def plain_mlx_lm(worker, name, ids, max_tokens, prefill_step_size=2048):
     def job(store):
         loaded = store.get(name)
         last = None
-        for last in stream_generate(  # noqa: B007  (the last response is the one kept)
-            loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, prefill_step_size=prefill_step_size
-        ):
-            pass
+        # mlx-lm's own model: separate projections where the worker fused them.
+        with fused_projections.unfused(loaded.model):
+            for last in stream_generate(  # noqa: B007  (the last response is the one kept)
+                loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, prefill_step_size=prefill_step_size
+            ):
+                pass
         return last.prompt_tps, last.generation_tps, last.generation_tokens
 
     return worker.call(job)

@@ -22,10 +22,14 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..loading.policy import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +105,38 @@ def _joinable(layers: list[nn.Module]) -> bool:
     return True
 
 
+def _like(layer: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A layer of ``layer``'s class and plain attributes (bits, group size, mode) holding ``arrays``."""
+    kind = type(layer)
+    new = kind.__new__(kind)
+    nn.Module.__init__(new)
+    for name, value in vars(layer).items():
+        setattr(new, name, value)
+    for name, value in arrays.items():
+        new[name] = value
+    return new
+
+
 def _join(layers: list[nn.Module]) -> nn.Module:
     """One layer whose output is ``layers``' outputs side by side (their arrays' rows concatenated)."""
-    first = layers[0]
-    joined = {k: mx.concatenate([m[k] for m in layers], axis=0) for k in _arrays(first)}
-    fused = type(first).__new__(type(first))
-    nn.Module.__init__(fused)
-    for name, value in vars(first).items():
-        # Plain attributes (a quantized layer's bits, group size, mode): copied as they are.
-        setattr(fused, name, value)
-    for name, value in joined.items():
-        fused[name] = value
-    return fused
+    return _like(layers[0], {k: mx.concatenate([m[k] for m in layers], axis=0) for k in _arrays(layers[0])})
+
+
+def _split(fused: nn.Module, widths: list[int]) -> list[nn.Module]:
+    """``fused``'s rows as separate layers of ``widths`` outputs (slices of its arrays: views, no copy)."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return [_like(fused, {k: v[a : a + w] for k, v in _arrays(fused).items()}) for a, w in zip(starts, widths)]
+
+
+def wanted() -> bool:
+    """Whether a loaded model's projections are fused: only with ``MLX_NOTEBOOK_FUSED_PROJECTIONS=1`` for now.
+
+    Off by default until the CUDA decode steps it is for are measured
+    (``benchmarks/results/fused_projections_probe_session35.py.txt``). On the
+    CPU it did not pay: a 4-row step of the default model 91.2 ms against
+    85.1 (session 27, ``cpu_fused_projections_session27.log``).
+    """
+    return env_switch("MLX_NOTEBOOK_FUSED_PROJECTIONS") == "on"
 
 
 def fuse(model: nn.Module, model_type: str | None) -> int:
@@ -142,4 +166,32 @@ def fuse(model: nn.Module, model_type: str | None) -> int:
     return fused
 
 
-__all__ = ["MODEL_TYPES", "SIBLINGS", "Part", "fuse"]
+def _fused_groups(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...], list[Part]]]:
+    groups: list[tuple[nn.Module, tuple[str, ...], list[Part]]] = []
+    for _, module in model.named_modules():
+        for names in SIBLINGS:
+            parts = [module.get(n) for n in names]
+            if all(isinstance(p, Part) for p in parts):
+                groups.append((module, names, cast(list[Part], parts)))
+    return groups
+
+
+@contextmanager
+def unfused(model: nn.Module) -> Iterator[None]:
+    """While inside, ``model``'s fused groups are separate layers again (views of the fused weights).
+
+    For a benchmark's mlx-lm side, which measures mlx-lm's own model.
+    """
+    groups = _fused_groups(model)
+    for module, names, parts in groups:
+        for name, layer in zip(names, _split(parts[0].fused, [p.width for p in parts])):
+            module[name] = layer
+    try:
+        yield
+    finally:
+        for module, names, parts in groups:
+            for name, part in zip(names, parts):
+                module[name] = part
+
+
+__all__ = ["MODEL_TYPES", "SIBLINGS", "Part", "fuse", "unfused", "wanted"]

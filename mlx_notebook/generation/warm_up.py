@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..loading.store import LoadedModel
-from . import skinny_matmul, small_attention
+from . import fused_projections, persist, skinny_matmul, small_attention
 from .chunks import FIRST_PREFILL_CHUNK, builds_kernels_per_shape
 from .pieces import BuildStopped, MarkedLayers, layer_owner
 
@@ -100,10 +100,17 @@ def warm(loaded: LoadedModel) -> None:
 def install_kernels(loaded: LoadedModel) -> None:
     """Compile the project's own kernels for ``loaded`` and route its layers to them (the 2-8 row products).
 
+    Where wanted, the sibling projections are fused first (:mod:`.fused_projections`), so the
+    fused layers take the kernel too.
+
     Its own idle moment, after :func:`warm`: a job queued during the first
     forward does not wait for this compile too. Without it, batches use
     MLX's products.
     """
+    if fused_projections.wanted():
+        # The fingerprint a saved generation carries is of the weights as loaded: pinned before the fusion renames them.
+        persist.fingerprint(loaded)
+        fused_projections.fuse(loaded.model, loaded.config.get("model_type"))
     if skinny_matmul.wanted():
         try:
             skinny_matmul.install(loaded.model)
