@@ -165,15 +165,19 @@ def mlx_lm(worker, name: str, ids: list[int], bits: int | None, args) -> dict[st
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_notebook.generation import attention_patch
+    from mlx_notebook.generation import attention_patch, fused_projections
 
     def job(store):
         loaded = store.get(name)
         cache = make_prompt_cache(loaded.model)
         mx.reset_peak_memory()
         times, tokens, last = [], [], None
-        # mlx-lm's own attention, not our routes (they are module-wide).
-        with contiguous_quantized_kv(args.contiguous_kv), attention_patch.unpatched(loaded.model):
+        # mlx-lm's own attention and projections, not our routes (they are module-wide).
+        with (
+            contiguous_quantized_kv(args.contiguous_kv),
+            attention_patch.unpatched(loaded.model),
+            fused_projections.unfused(loaded.model),
+        ):
             for last in stream_generate(
                 loaded.model,
                 loaded.tokenizer,

@@ -44,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from benchmarks.bench import SYNTHETIC, open_model, prompt_ids, save
+from mlx_notebook.generation import fused_projections
 
 SEED = 0
 NEVER = "<|never seen stop|>"
@@ -137,18 +138,25 @@ def mlx_lm(worker, name: str, ids: list[int], max_tokens: int, option: Option) -
         processors = make_logits_processors(**option.processors) if option.processors else None
         clock, text = Clock(), ""
         t0 = time.perf_counter()
-        for response in stream_generate(
-            loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=processors
-        ):
-            clock.tick()
-            if option.stop:
-                text += response.text
-                if any(stop in text[-len(stop) - len(response.text) :] for stop in option.stop):
-                    break
-            if option.logprobs:
-                lp = response.logprobs
-                top = mx.argpartition(-lp, option.logprobs - 1)[: option.logprobs]
-                [a.tolist() for a in (lp[response.token], top, lp[top])]
+        # mlx-lm's own model: separate projections where the worker fused them.
+        with fused_projections.unfused(loaded.model):
+            for response in stream_generate(
+                loaded.model,
+                loaded.tokenizer,
+                ids,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                logits_processors=processors,
+            ):
+                clock.tick()
+                if option.stop:
+                    text += response.text
+                    if any(stop in text[-len(stop) - len(response.text) :] for stop in option.stop):
+                        break
+                if option.logprobs:
+                    lp = response.logprobs
+                    top = mx.argpartition(-lp, option.logprobs - 1)[: option.logprobs]
+                    [a.tolist() for a in (lp[response.token], top, lp[top])]
         return clock.rates(t0)
 
     return worker.call(job)

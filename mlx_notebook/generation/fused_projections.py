@@ -8,8 +8,10 @@ with their weights' rows concatenated a layer makes four, and a 32-layer step
 96 fewer calls. The parts are column slices of the one product (views, no
 copy); each dot product is the one the separate layers computed.
 
-Done in place after a load (:func:`fuse`) by swapping each sibling for a
-:class:`Part` of one shared product; the model's own forward is untouched.
+Done in place at the worker's first idle moment after a load, on CUDA
+(:func:`wanted`; ``generation.warm_up.install_kernels``), by swapping each
+sibling for a :class:`Part` of one shared product; the model's own forward
+is untouched.
 The first part called with an input computes the product for all of them;
 the others called with the *same* input (by identity) take their slice. A
 part called with another input (a thread running the same model meanwhile:
@@ -30,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..loading.policy import env_switch
+from .chunks import builds_kernels_per_shape
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +132,18 @@ def _split(fused: nn.Module, widths: list[int]) -> list[nn.Module]:
 
 
 def wanted() -> bool:
-    """Whether a loaded model's projections are fused: only with ``MLX_NOTEBOOK_FUSED_PROJECTIONS=1`` for now.
+    """Whether a loaded model's projections are fused: on MLX's CUDA backend unless ``MLX_NOTEBOOK_FUSED_PROJECTIONS=0``.
 
-    Off by default until the CUDA decode steps it is for are measured
-    (``benchmarks/results/fused_projections_probe_session35.py.txt``). On the
-    CPU it did not pay: a 4-row step of the default model 91.2 ms against
-    85.1 (session 27, ``cpu_fused_projections_session27.log``).
+    Measured where decode steps are bound by host time per call (H100, 8B
+    shapes, budget 0.01, session 35; ``benchmarks/results/h100_*_session35.*``):
+    plain mlx-lm 8-row steps 8.6 against 13.9 ms, one row 6.8 against 7.4
+    (Llama-3-8B, one process, alternated); the library's 8 rows 837 and 759
+    tok/s against 580 and 615 (Llama-3-8B), 643 against 593 (Qwen3-8B). On the
+    CPU it did not pay (a 4-row step of the default model 91.2 ms against
+    85.1, session 27), so there ``1`` forces it, for tests and A/B runs.
     """
-    return env_switch("MLX_NOTEBOOK_FUSED_PROJECTIONS") == "on"
+    switch = env_switch("MLX_NOTEBOOK_FUSED_PROJECTIONS")
+    return switch == "on" or (switch == "auto" and builds_kernels_per_shape())
 
 
 def fuse(model: nn.Module, model_type: str | None) -> int:

@@ -102,12 +102,19 @@ _SOURCE = r"""
 
 
 def wanted() -> bool:
-    """Whether linear layers take this kernel: on MLX's CUDA backend, unless ``MLX_NOTEBOOK_SKINNY_MATMUL=0``.
+    """Whether linear layers take this kernel: only with ``MLX_NOTEBOOK_SKINNY_MATMUL=1``, on MLX's CUDA backend.
 
-    The switch is for A/B runs (``benchmarks/batching.py``); ``1`` does not
-    force it where there is no CUDA.
+    Off by default since session 35: with q/k/v and gate/up fused
+    (:mod:`.fused_projections`, on by default on CUDA) a step makes four
+    products a layer, and MLX's own matmul ran them faster than this kernel.
+    Llama-3-8B shape, 8 rows, H100, the library's batching benchmark, one
+    process an arm, alternated: fused with MLX's products 837 and 759 tok/s,
+    this kernel without fusing 580 and 615, both 606; the kernel is slower on
+    the fused layers' wide outputs (plain mlx-lm 8-row steps 13.6 against
+    12.5 ms; ``benchmarks/results/h100_*_session35.*``). ``1`` does not force
+    it where there is no CUDA.
     """
-    return env_switch("MLX_NOTEBOOK_SKINNY_MATMUL") != "off" and builds_kernels_per_shape()
+    return env_switch("MLX_NOTEBOOK_SKINNY_MATMUL") == "on" and builds_kernels_per_shape()
 
 
 @cache

@@ -14,11 +14,14 @@ unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
 first long prompt. A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
-Next, at an idle moment of its own, the 2-8 row products' kernel
+Next, at an idle moment of its own, each layer's q/k/v and gate/up
+projections are fused into one product each (:mod:`.fused_projections`: an
+8B step there is bound by host time per kernel call), and where asked for
+(``MLX_NOTEBOOK_SKINNY_MATMUL=1``) the 2-8 row products' kernel
 (:mod:`.skinny_matmul`) is compiled and the linear layers take it: NVRTC,
 2.1-2.3 s in every process on an H200 (MLX keeps no disk cache of
-``cuda_kernel`` modules), a wait no stop could cut inside a job; until then
-a batch's products are MLX's own. A job queued during it waits for it.
+``cuda_kernel`` modules), a wait no stop could cut inside a job. A job
+queued during it waits for it.
 
 Then, still only while idle, the *ladder*: every big prefill chunk a prompt
 of up to :data:`LADDER_CONTEXT` tokens can be cut into (sizes
