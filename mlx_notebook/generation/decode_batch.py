@@ -66,6 +66,7 @@ import mlx.nn as nn
 from ..budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from ..control import Pace
 from ..errors import InvalidArgumentError
+from ..loading.policy import env_switch
 from ..loading.store import LoadedModel
 from . import batch_cache, kv_capacity, row_attention
 from .batch_cache import Cache
@@ -79,6 +80,9 @@ from .sampling import Sampler, make_sampler
 from .states import State
 from .stats import FinishReason
 
+# The share of a step's layers queued before the token ahead of it is read (see
+# DecodeBatch._lead_layers): 4 of Qwen3-8B's 36 matched two steps in flight, 1-2 fell short.
+LEAD_LAYERS_SHARE = 1 / 9
 log = logging.getLogger(__name__)
 
 
@@ -166,6 +170,9 @@ class _Step:
     groups: list[mx.array] = field(default_factory=list)
     # Groups evaluated so far (some while the next step was built).
     waited: int = 0
+    # A whole step's hidden state after its first layers (lazy): queued behind the step in
+    # flight before that one's tokens are read (see DecodeBatch._lead_layers).
+    lead: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
         return [self.tokens] + [a for entry in self.logprobs if entry is not None for a in entry]
@@ -474,6 +481,10 @@ class DecodeBatch:
                     with self._released():
                         mx.async_eval(nxt.arrays())
                     queued = True
+                elif nxt.lead is not None and not self._hold and not any(r.pace.requested for r in self.rows):
+                    # Its first layers behind ``y``: the device has work while the host wakes and reads.
+                    with self._released():
+                        mx.async_eval(nxt.lead)
         with self._released():
             # Releases the GIL too: a stop asked now is reported on its own thread.
             whole = self._evaluate(y)
@@ -912,9 +923,18 @@ class DecodeBatch:
         """
         per = self._layers_per_group()
         if not per:
+            lead = self._lead_layers() if stoppable else 0
             for row in self.rows:
                 row.sink.stats.decode_pieces = 1
-            return self._sample(self._logits(inputs))
+                row.sink.stats.decode_lead_layers = lead
+            if not lead:
+                return self._sample(self._logits(inputs))
+            assert self._owner is not None
+            with MarkedLayers(self._owner, lead) as marked:
+                logits = self._logits(inputs)
+            whole = self._sample(logits)
+            whole.lead = marked.marks[0] if marked.marks else None
+            return whole
         assert self._owner is not None
         # A lone row's cache trims back (a batch's rows would have to agree first).
         stopped = self._all_stopped if stoppable and len(self.rows) == 1 else None
@@ -970,6 +990,37 @@ class DecodeBatch:
         layers = len(self._owner.layers)
         pieces = min(layers, math.ceil(2 * step / limit))
         return math.ceil(layers / pieces)
+
+    def _lead_layers(self) -> int:
+        """Layers of a lone row's next whole step to queue before its token is read; 0: none.
+
+        With one step in flight the device idles from the end of a step until
+        the host has woken, read its token and queued the next. Queuing the
+        next step's first layers behind it first closes that gap: on an H100,
+        Qwen3-8B at 32k, the first 4 of 36 layers decoded at 1.00x two whole
+        steps in flight, the step alone at 0.94x
+        (``benchmarks/results/h100_decode_pre_read_session35.log``). A stop
+        then waits for the step and the lead, so both must fit the share of
+        the budget two whole steps must fit to be kept in flight. A lone row
+        only: a batch's rows leaving all at once are cut from views of the
+        cache taken before the next step (``_before_ahead``), which a queued
+        lead would make the device copy. Off unless ``MLX_NOTEBOOK_DECODE_LEAD=1``
+        until measured in the library.
+        """
+        if env_switch("MLX_NOTEBOOK_DECODE_LEAD") != "on" or self.in_flight != 1 or len(self.rows) != 1:
+            return 0
+        step = self.step_s
+        if step is None or not self.loaded.layer_pieces:
+            return 0
+        if not self._owner_found:
+            self._owner, self._owner_found = layer_owner(self.model, len(self._cache)), True
+        if self._owner is None:
+            return 0
+        layers = len(self._owner.layers)
+        lead = max(1, round(layers * LEAD_LAYERS_SHARE))
+        if lead >= layers or step * (1 + lead / layers) > DECODE_PIPELINE_SHARE * self.rows[0].pace.budget_s:
+            return 0
+        return lead
 
     def _logits(self, inputs: list[int] | mx.array) -> mx.array:
         """A step's forward for every row, to its processed logits (lazy); see :meth:`_forward`."""

@@ -52,6 +52,9 @@ class GenerationStats:
           budget: its steps then go in groups of layers.
         decode_pieces: Groups of layers the last decode step was evaluated in
           (1: whole steps); a stop waits for at most two of them.
+        decode_lead_layers: Layers of the next decode step queued before the
+          current token is read, with one step in flight (0: none; see
+          ``MLX_NOTEBOOK_DECODE_LEAD``): a stop waits for one step and these.
         batch_size: Most generations decoded together with it (itself included).
         ranks: Processes the model was sharded over (1: this process alone).
         backend: The MLX distributed backend of those ranks (``ring``, ``nccl``...);
@@ -80,6 +83,7 @@ class GenerationStats:
     decode_in_flight: int = 2
     budget_below_step: bool = False
     decode_pieces: int = 1
+    decode_lead_layers: int = 0
     batch_size: int = 1
     ranks: int = 1
     backend: str = ""

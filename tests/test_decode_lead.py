@@ -1,0 +1,106 @@
+"""A lone row's next step starts before its token is read: the same tokens, exact pauses, clean stops.
+
+With one step in flight (two do not fit the stop budget) the next step's
+first layers are queued behind the running one before its token is read
+(``MLX_NOTEBOOK_DECODE_LEAD=1``; see ``DecodeBatch._lead_layers``). Here a
+small random llama (9 layers: a lead of one) runs with the step count kept
+at one in flight, as on a GPU whose two steps overrun the budget; what is
+checked is that the lead changes no token and no stop or pause.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_notebook
+from mlx_notebook.generation.decode_batch import DecodeBatch
+from testkit.tiny_model import make_tiny_model
+from testkit.waiting import assert_stays_paused, other_generation, wait_state, wait_tokens
+
+PROMPT = "A long walk along the river, counting the bridges and the boats under them " * 3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("lead") / "model", layers=9, hidden=128, intermediate=256))
+
+
+@pytest.fixture
+def one_in_flight(monkeypatch) -> list[int]:
+    """One step in flight whatever the step time; the leads queued before a read (their layer counts)."""
+    measure = DecodeBatch._measure
+
+    def measure_one(self, seconds):
+        measure(self, seconds)
+        self.in_flight = 1
+        for row in self.rows:
+            row.sink.stats.decode_in_flight = 1
+
+    monkeypatch.setattr(DecodeBatch, "_measure", measure_one)
+    queued: list[int] = []
+    leads: dict[int, tuple[mx.array, int]] = {}  # the array kept: its id is not reused meanwhile
+    forward, async_eval = DecodeBatch._forward, mx.async_eval
+
+    def forward_spy(self, inputs, stoppable=False, beside=None):
+        step = forward(self, inputs, stoppable, beside)
+        if step is not None and step.lead is not None:
+            leads[id(step.lead)] = (step.lead, self.rows[0].sink.stats.decode_lead_layers)
+        return step
+
+    def async_eval_spy(*arrays):
+        for a in arrays:
+            if id(a) in leads:
+                queued.append(leads.pop(id(a))[1])
+        return async_eval(*arrays)
+
+    monkeypatch.setattr(DecodeBatch, "_forward", forward_spy)
+    monkeypatch.setattr(mx, "async_eval", async_eval_spy)
+    return queued
+
+
+def _run(worker, folder: str, max_tokens: int = 40) -> mlx_notebook.Generation:
+    gen = mlx_notebook.generate(PROMPT, model=folder, worker=worker, max_tokens=max_tokens)
+    gen.result(timeout=120)
+    assert gen.state == "done", gen.error
+    return gen
+
+
+def test_a_lead_changes_no_token_and_a_pause_stays_exact(worker, folder: str, one_in_flight, monkeypatch) -> None:
+    worker.prompt_cache_gb = 0  # every run prefills its own prompt
+    reference = _run(worker, folder)
+    assert reference.stats.decode_in_flight == 1 and reference.stats.decode_lead_layers == 0
+    assert not one_in_flight
+
+    monkeypatch.setenv("MLX_NOTEBOOK_DECODE_LEAD", "1")
+    led = _run(worker, folder)
+    assert led.stats.decode_lead_layers == 1  # round(9 / 9)
+    # Every step after the first two (the step time is known from the second read) was led.
+    assert len(one_in_flight) >= len(led.tokens) - 4, (len(one_in_flight), len(led.tokens))
+    assert led.tokens == reference.tokens
+
+    gen = mlx_notebook.generate(PROMPT, model=folder, worker=worker, max_tokens=40)
+    wait_tokens(gen, 12)
+    gen.pause()
+    assert_stays_paused(gen, lambda: other_generation(worker, folder))
+    gen.resume()
+    gen.result(timeout=120)
+    assert gen.tokens == reference.tokens
+
+
+def test_a_stop_with_a_lead_queued_ends_clean_and_the_model_stays_correct(
+    worker, folder: str, one_in_flight, monkeypatch
+) -> None:
+    worker.prompt_cache_gb = 0
+    reference = _run(worker, folder, max_tokens=200)
+    monkeypatch.setenv("MLX_NOTEBOOK_DECODE_LEAD", "1")
+    for _ in range(5):
+        gen = mlx_notebook.generate(PROMPT, model=folder, worker=worker, max_tokens=200)
+        wait_tokens(gen, 8)
+        gen.stop()
+        wait_state(gen, "stopped")
+        assert not gen.error
+        assert gen.tokens == reference.tokens[: len(gen.tokens)]
+    assert one_in_flight
+    # The stopped steps' leads left nothing behind: the next generation gives the reference's tokens.
+    assert _run(worker, folder, max_tokens=200).tokens == reference.tokens
