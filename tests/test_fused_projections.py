@@ -8,11 +8,13 @@ generations, a saved generation's fingerprint.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -125,6 +127,53 @@ def test_a_part_called_with_another_input_computes_its_own_slice(llama) -> None:
     k_a, v_a, v_b = attention.k_proj(a), attention.v_proj(a), attention.v_proj(b)
     for got, layer, x in [(q_a, 0, a), (k_a, 1, a), (v_a, 2, a), (k_b, 1, b), (v_b, 2, b)]:
         assert mx.allclose(got, separate[layer](x), atol=1e-5).item()
+
+
+def test_two_threads_interleaving_calls_each_get_their_own_product_once(llama, monkeypatch) -> None:
+    # The prefill thread builds a joining prompt's graph while the worker builds the others' step.
+    model, kind = _load(llama)
+    attention = model.layers[0].self_attn
+    separate = [attention.q_proj, attention.k_proj, attention.v_proj]
+    fused_projections.fuse(model, kind)
+    products: list[int] = []
+    fused = attention.q_proj.fused
+    call = type(fused).__call__
+
+    def counted(self, x):
+        if self is fused:
+            products.append(x.shape[1])
+        return call(self, x)
+
+    monkeypatch.setattr(type(fused), "__call__", counted)
+    inputs = {
+        "a": np.random.default_rng(2).normal(size=(1, 5, 64)),
+        "b": np.random.default_rng(3).normal(size=(1, 3, 64)),
+    }
+    errors: dict[str, float] = {}
+    q_done, other_done = threading.Event(), threading.Event()
+
+    def run(name: str) -> None:
+        # MLX's streams are per thread: each builds and evaluates its own arrays, as the worker and prefill thread do.
+        x = mx.array(inputs[name], dtype=mx.float32)
+        if name == "a":  # q(a), then waits while the other thread runs q, k, v on b, then k(a), v(a)
+            parts = [attention.q_proj(x)]
+            q_done.set()
+            assert other_done.wait(30)
+            parts += [attention.k_proj(x), attention.v_proj(x)]
+        else:
+            assert q_done.wait(30)
+            parts = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+            other_done.set()
+        errors[name] = max(mx.abs(p - layer(x)).max().item() for p, layer in zip(parts, separate, strict=True))
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    assert sorted(products) == [3, 5]  # one product per input: neither thread's evicted the other's
+    assert set(errors) == {"a", "b"} and max(errors.values()) < 1e-5, errors
 
 
 def test_unfused_gives_mlx_lm_its_own_layers_back_for_a_while(llama) -> None:

@@ -13,10 +13,11 @@ Done in place at the worker's first idle moment after a load, on CUDA
 sibling for a :class:`Part` of one shared product; the model's own forward
 is untouched.
 The first part called with an input computes the product for all of them;
-the others called with the *same* input (by identity) take their slice. A
-part called with another input (a thread running the same model meanwhile:
-the prefill thread beside the decode worker) computes the product itself, so
-an interleaving costs work, never a wrong result.
+the others called with the *same* input (by identity) on the same thread
+take their slice. Each thread keeps its own latest product, so the prefill
+thread running the model beside the decode worker never evicts the worker's;
+a part called with another input computes the product itself, so an
+unexpected order of calls costs work, never a wrong result.
 
 This module never imports IPython or ipywidgets.
 """
@@ -24,6 +25,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -51,17 +53,17 @@ class _Product:
         self.linear = linear
         self.splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
         self.last = len(widths) - 1
-        # (input, parts) of the latest call; replaced whole, so a reader on another thread sees one pair.
-        self._latest: tuple[mx.array, list[mx.array]] | None = None
+        # Per thread, (input, parts) of its latest call (``latest``).
+        self._local = threading.local()
 
     def part(self, i: int, x: mx.array) -> mx.array:
-        latest = self._latest
+        latest: tuple[mx.array, list[mx.array]] | None = getattr(self._local, "latest", None)
         if latest is None or latest[0] is not x:
             latest = (x, list(mx.split(self.linear(x), self.splits, axis=-1)))
-            self._latest = latest
-        if i == self.last and self._latest is latest:
+            self._local.latest = latest
+        if i == self.last:
             # Let go of the input and the parts: a forward's arrays are not kept past it.
-            self._latest = None
+            self._local.latest = None
         return latest[1][i]
 
 
