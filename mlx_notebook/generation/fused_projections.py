@@ -142,7 +142,9 @@ def wanted() -> bool:
     (Llama-3-8B, one process, alternated); the library's 8 rows 837 and 759
     tok/s against 580 and 615 (Llama-3-8B), 643 against 593 (Qwen3-8B). On the
     CPU it did not pay (a 4-row step of the default model 91.2 ms against
-    85.1, session 27), so there ``1`` forces it, for tests and A/B runs.
+    85.1, session 27). ``1`` makes this true on any backend, but the worker
+    asks only at its CUDA idle moment (``warm_up.install_kernels``); the
+    tests force that moment on the CPU.
     """
     switch = env_switch("MLX_NOTEBOOK_FUSED_PROJECTIONS")
     return switch == "on" or (switch == "auto" and builds_kernels_per_shape())
