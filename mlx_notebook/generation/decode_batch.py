@@ -983,13 +983,17 @@ class DecodeBatch:
             # (H200, 32k context, bf16: a ~8 ms step at budget 0.01 decoded at 91 tok/s in pieces, ~117 whole).
             return 0
         limit = DECODE_PIPELINE_SHARE * budget
-        if not self._owner_found:
-            self._owner, self._owner_found = layer_owner(self.model, len(self._cache)), True
-        if self._owner is None:
+        layers = self._layer_count()
+        if not layers:
             return 0
-        layers = len(self._owner.layers)
         pieces = min(layers, math.ceil(2 * step / limit))
         return math.ceil(layers / pieces)
+
+    def _layer_count(self) -> int:
+        """Layers of the model's layer list a step's marks go through (found at the first ask); 0: none found."""
+        if not self._owner_found:
+            self._owner, self._owner_found = layer_owner(self.model, len(self._cache)), True
+        return len(self._owner.layers) if self._owner is not None else 0
 
     def _lead_layers(self) -> int:
         """Layers of a lone row's next whole step to queue before its token is read; 0: none.
@@ -1012,11 +1016,9 @@ class DecodeBatch:
         step = self.step_s
         if step is None or not self.loaded.layer_pieces:
             return 0
-        if not self._owner_found:
-            self._owner, self._owner_found = layer_owner(self.model, len(self._cache)), True
-        if self._owner is None:
+        layers = self._layer_count()
+        if not layers:
             return 0
-        layers = len(self._owner.layers)
         lead = max(1, round(layers * LEAD_LAYERS_SHARE))
         if lead >= layers or step * (1 + lead / layers) > DECODE_PIPELINE_SHARE * self.rows[0].pace.budget_s:
             return 0
