@@ -104,3 +104,20 @@ def test_a_stop_with_a_lead_queued_ends_clean_and_the_model_stays_correct(
     assert one_in_flight
     # The stopped steps' leads left nothing behind: the next generation gives the reference's tokens.
     assert _run(worker, folder, max_tokens=200).tokens == reference.tokens
+
+
+def test_the_lead_is_on_by_default_where_kernels_are_built_per_shape(worker, folder: str, one_in_flight, monkeypatch):
+    """The default: on CUDA's side of the switch (forced here), off on the CPU's and with ``0``."""
+    from mlx_notebook.generation import decode_batch
+
+    worker.prompt_cache_gb = 0
+    monkeypatch.delenv("MLX_NOTEBOOK_DECODE_LEAD", raising=False)
+    assert _run(worker, folder).stats.decode_lead_layers == 0  # the CPU: off
+
+    monkeypatch.setattr(decode_batch, "builds_kernels_per_shape", lambda: True)
+    assert _run(worker, folder).stats.decode_lead_layers == 1
+    assert one_in_flight
+    monkeypatch.setenv("MLX_NOTEBOOK_DECODE_LEAD", "0")
+    queued = len(one_in_flight)
+    assert _run(worker, folder).stats.decode_lead_layers == 0
+    assert len(one_in_flight) == queued
