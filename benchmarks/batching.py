@@ -354,10 +354,13 @@ class Trace:
             # "p:" marks the prefill thread's calls (a prompt joining beside the others' steps).
             name = ("p:" if threading.current_thread().name == "mlx-notebook-prefill" else "") + label
             events.append((time.perf_counter(), name + ">"))
+            result = None
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                return result
             finally:
-                events.append((time.perf_counter(), name + "<"))
+                # A label ending in "?" tells whether the call gave anything (e.g. reserved buffers).
+                events.append((time.perf_counter(), name + ("<" if not name.endswith("?") else f"<{result is not None}")))
 
         setattr(owner, attr, traced)
         self._undo.append((owner, attr, original))
@@ -381,6 +384,13 @@ class Trace:
         self.wrap(decode_batch.DecodeBatch, "_forward", "fwd")
         self.wrap(decode_batch.DecodeBatch, "_queue", "queue")
         self.wrap(kv_capacity, "make_room", "room")
+        if os.environ.get("TRACE_ADMIT"):
+            # Where an admit's and the first joined step's host time goes (session 36: 24 ms in the admit's queue).
+            self.wrap(batch_cache.Reserve, "take", "take?")
+            self.wrap(batch_cache, "_joined", "joined")
+            self.wrap(decode_batch.DecodeBatch, "_change_rows", "change")
+            self.wrap(decode_batch.DecodeBatch, "_poll_parked", "parked")
+            self.wrap(decode_batch.mx, "async_eval", "aeval")
         return self
 
     def __exit__(self, *exc):
