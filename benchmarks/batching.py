@@ -360,13 +360,23 @@ class Trace:
                 return result
             finally:
                 # A label ending in "?" tells whether the call gave anything (e.g. reserved buffers).
-                events.append((time.perf_counter(), name + ("<" if not name.endswith("?") else f"<{result is not None}")))
+                events.append(
+                    (time.perf_counter(), name + ("<" if not name.endswith("?") else f"<{result is not None}"))
+                )
 
         setattr(owner, attr, traced)
         self._undo.append((owner, attr, original))
 
     def __enter__(self):
-        from mlx_notebook.generation import batch_cache, decode_batch, device_turns, kv_capacity, pieces, prefill, session
+        from mlx_notebook.generation import (
+            batch_cache,
+            decode_batch,
+            device_turns,
+            kv_capacity,
+            pieces,
+            prefill,
+            session,
+        )
 
         self.wrap(decode_batch.DecodeBatch, "step", "step")
         self.wrap(decode_batch.DecodeBatch, "_admit", "admit")
