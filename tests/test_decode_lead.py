@@ -2,10 +2,11 @@
 
 With one step in flight (two do not fit the stop budget) the next step's
 first layers are queued behind the running one before its token is read
-(``MLX_NOTEBOOK_DECODE_LEAD=1``; see ``DecodeBatch._lead_layers``). Here a
-small random llama (9 layers: a lead of one) runs with the step count kept
-at one in flight, as on a GPU whose two steps overrun the budget; what is
-checked is that the lead changes no token and no stop or pause.
+(on by default on CUDA, ``MLX_NOTEBOOK_DECODE_LEAD=1`` anywhere; see
+``DecodeBatch._lead_layers``). Here a small random llama (9 layers: a lead
+of one) runs with the step count kept at one in flight, as on a GPU whose
+two steps overrun the budget; what is checked is that the lead changes no
+token and no stop or pause, and where it is on by default.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_notebook
+from mlx_notebook.generation import decode_batch
 from mlx_notebook.generation.decode_batch import DecodeBatch
 from testkit.tiny_model import make_tiny_model
 from testkit.waiting import assert_stays_paused, other_generation, wait_state, wait_tokens
@@ -108,8 +110,6 @@ def test_a_stop_with_a_lead_queued_ends_clean_and_the_model_stays_correct(
 
 def test_the_lead_is_on_by_default_where_kernels_are_built_per_shape(worker, folder: str, one_in_flight, monkeypatch):
     """The default: on CUDA's side of the switch (forced here), off on the CPU's and with ``0``."""
-    from mlx_notebook.generation import decode_batch
-
     worker.prompt_cache_gb = 0
     monkeypatch.delenv("MLX_NOTEBOOK_DECODE_LEAD", raising=False)
     assert _run(worker, folder).stats.decode_lead_layers == 0  # the CPU: off
