@@ -359,10 +359,9 @@ class Trace:
                 result = original(*args, **kwargs)
                 return result
             finally:
-                # A label ending in "?" tells whether the call gave anything (e.g. reserved buffers).
-                events.append(
-                    (time.perf_counter(), name + ("<" if not name.endswith("?") else f"<{result is not None}"))
-                )
+                # A label ending in "?" tells what the call gave: a list's length (e.g. reserved buffers), else whether any.
+                given = len(result) if isinstance(result, list) else result is not None
+                events.append((time.perf_counter(), name + ("<" if not name.endswith("?") else f"<{given}")))
 
         setattr(owner, attr, traced)
         self._undo.append((owner, attr, original))
