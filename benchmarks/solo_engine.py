@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_notebook.budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from mlx_notebook.control import Pace
 from mlx_notebook.errors import InvalidArgumentError
+from mlx_notebook.generation import decode_pacing
 from mlx_notebook.generation.prefill import Sink, prefill
 from mlx_notebook.generation.prompt import prepare_prompt
 from mlx_notebook.generation.request import GenerationRequest
@@ -173,7 +173,6 @@ def decode(
 
 def _measure_step(stats: GenerationStats, seconds: float, budget_s: float) -> None:
     """Update the decode step time and choose how many steps to keep in flight."""
-    step = seconds if stats.decode_step_s is None else (1 - STEP_EMA) * stats.decode_step_s + STEP_EMA * seconds
-    stats.decode_step_s = step
-    stats.decode_in_flight = 2 if 2 * step <= DECODE_PIPELINE_SHARE * budget_s else 1
+    step = stats.decode_step_s = decode_pacing.smoothed_step(stats.decode_step_s, seconds)
+    stats.decode_in_flight = decode_pacing.steps_in_flight(step, budget_s)
     stats.budget_below_step = step > budget_s

@@ -17,7 +17,8 @@ Python reads and reports the current tokens. Whether it is queued *before* the
 tokens are read (two steps in flight) depends on the stop budget: a stop that
 lands while the worker waits for a token also waits for the step queued
 behind it, so that happens only while two steps fit ``budget.DECODE_PIPELINE_SHARE`` of
-the tightest budget in the batch. Otherwise the next step is queued as soon
+the tightest budget in the batch (:mod:`.decode_pacing` decides that, the groups
+below and the lead). Otherwise the next step is queued as soon
 as the tokens are read, unless a row has a stop or pause waiting or a
 sequence waits to join: then rows change first. While a constrained row
 (``schema=``, ``choices=``, ``regex=``: :mod:`.constraint_matcher`) is in the
@@ -53,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,12 +63,10 @@ from typing import Any, cast, overload
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..budget import DECODE_PIPELINE_SHARE, STEP_EMA
 from ..control import Pace
 from ..errors import InvalidArgumentError
-from ..loading.policy import env_switch
 from ..loading.store import LoadedModel
-from . import batch_cache, kv_capacity, row_attention
+from . import batch_cache, decode_pacing, kv_capacity, row_attention
 from .batch_cache import Cache
 from .chunks import KV_STEP, builds_kernels_per_shape
 from .constraint_matcher import RowMatcher, mask_logits
@@ -80,9 +78,6 @@ from .sampling import Sampler, make_sampler
 from .states import State
 from .stats import FinishReason
 
-# The share of a step's layers queued before the token ahead of it is read (see
-# DecodeBatch._lead_layers): 4 of Qwen3-8B's 36 matched two steps in flight, 1-2 fell short.
-LEAD_LAYERS_SHARE = 1 / 9
 log = logging.getLogger(__name__)
 
 
@@ -966,12 +961,7 @@ class DecodeBatch:
         return feed
 
     def _layers_per_group(self) -> int:
-        """Layers per piece of a step: 0 (whole steps) while one step fits the tightest budget.
-
-        A stop waits for the piece being evaluated and the one queued behind
-        it: two pieces must fit the share of the budget that two whole steps
-        must fit to be kept in flight.
-        """
+        """Layers per piece of a step (:func:`.decode_pacing.layers_per_group`): 0, whole steps."""
         # Before this batch measured a step: the model's last one alone (a row of a long context that
         # follows another starts in pieces; a wrong guess lasts until the second step is read).
         step = self.step_s if self.step_s is not None else self.loaded.step_s
@@ -979,15 +969,8 @@ class DecodeBatch:
             return 0
         budget = min(r.pace.budget_s for r in self.rows)
         if step <= budget:
-            # A stop waits for one whole step, within the budget: pieces would only cost throughput
-            # (H200, 32k context, bf16: a ~8 ms step at budget 0.01 decoded at 91 tok/s in pieces, ~117 whole).
-            return 0
-        limit = DECODE_PIPELINE_SHARE * budget
-        layers = self._layer_count()
-        if not layers:
-            return 0
-        pieces = min(layers, math.ceil(2 * step / limit))
-        return math.ceil(layers / pieces)
+            return 0  # before the layer list is looked for: most steps fit
+        return decode_pacing.layers_per_group(step, budget, self._layer_count())
 
     def _layer_count(self) -> int:
         """Layers of the model's layer list a step's marks go through (found at the first ask); 0: none found."""
@@ -998,42 +981,17 @@ class DecodeBatch:
     def _lead_layers(self) -> int:
         """Layers of a lone row's next whole step to queue before its token is read; 0: none.
 
-        With one step in flight the device idles from the end of a step until
-        the host has woken, read its token and queued the next. Queuing the
-        next step's first layers behind it first closes that gap: on an H100,
-        Qwen3-8B at 32k, the first 4 of 36 layers decoded at 1.00x two whole
-        steps in flight, the step alone at 0.94x
-        (``benchmarks/results/h100_decode_pre_read_session35.log``). A stop
-        then waits for the step and the lead, so both must fit the share of
-        the budget two whole steps must fit to be kept in flight. A lone row
+        See :func:`.decode_pacing.lead_layers` (why, and what fits) and
+        :func:`.decode_pacing.lead_wanted` (where, as measured). A lone row
         only: a batch's rows leaving all at once are cut from views of the
         cache taken before the next step (``_before_ahead``), which a queued
         lead would make the device copy.
-
-        On by default where kernels are built per shape (CUDA), where it was
-        measured in the library: H100, Qwen3-8B at 32k, 16 runs alternated,
-        decode at 0.913x plain mlx-lm (mean; median 0.910, worst 0.834) with the
-        lead against 0.890x (0.909, 0.791) without, stops at 32k p99 8.7 ms
-        (``benchmarks/results/h100_stretch_lead_ab_session36.log``). On the CPU
-        the step rarely fits (the default model's 91 ms step would need under
-        73 ms at the default budget) and it is unmeasured, so off there;
-        ``MLX_NOTEBOOK_DECODE_LEAD=1`` turns it on anywhere, ``0`` off.
         """
-        switch = env_switch("MLX_NOTEBOOK_DECODE_LEAD")
-        if switch == "off" or (switch == "auto" and not self._per_shape):
+        if not decode_pacing.lead_wanted(self._per_shape) or self.in_flight != 1 or len(self.rows) != 1:
             return 0
-        if self.in_flight != 1 or len(self.rows) != 1:
+        if self.step_s is None or not self.loaded.layer_pieces:
             return 0
-        step = self.step_s
-        if step is None or not self.loaded.layer_pieces:
-            return 0
-        layers = self._layer_count()
-        if not layers:
-            return 0
-        lead = max(1, round(layers * LEAD_LAYERS_SHARE))
-        if lead >= layers or step * (1 + lead / layers) > DECODE_PIPELINE_SHARE * self.rows[0].pace.budget_s:
-            return 0
-        return lead
+        return decode_pacing.lead_layers(self.step_s, self.rows[0].pace.budget_s, self._layer_count())
 
     def _logits(self, inputs: list[int] | mx.array) -> mx.array:
         """A step's forward for every row, to its processed logits (lazy); see :meth:`_forward`."""
@@ -1104,12 +1062,10 @@ class DecodeBatch:
 
     def _measure(self, seconds: float) -> None:
         """Update the step time and choose how many steps to keep in flight."""
-        step = seconds if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * seconds
-        self.step_s = step
+        step = self.step_s = decode_pacing.smoothed_step(self.step_s, seconds)
         if len(self.rows) == 1:
             self.loaded.step_s = step
-        budget = min(r.pace.budget_s for r in self.rows)
-        self.in_flight = 2 if 2 * step <= DECODE_PIPELINE_SHARE * budget else 1
+        self.in_flight = decode_pacing.steps_in_flight(step, min(r.pace.budget_s for r in self.rows))
         for row in self.rows:
             stats = row.sink.stats
             stats.decode_step_s = step
