@@ -791,6 +791,12 @@ class DecodeBatch:
         if finish is not FinishReason.STOP_STRING:
             row.detokenizer.finalize()
             tail = row.detokenizer.last_segment
+            if finish in (FinishReason.STOPPED, FinishReason.FAILED):
+                # Cut short, the text keeps what the stream held back except the
+                # bytes of a character not complete yet: the detokenizer writes
+                # them as U+FFFD, which the next token would have replaced, so the
+                # text would not be a prefix of the uninterrupted one. Tokens keep them.
+                tail = tail.rstrip("\ufffd")
             if tail:
                 self._emit(row, [], tail)
             if row.finish is not FinishReason.STOP_STRING and row.held:
