@@ -31,7 +31,9 @@ def _reference(worker, model: str) -> tuple[Generation, list[int]]:
     """The uninterrupted generation, and the lengths at which its flushed text is not a prefix of its text."""
     full = mlx_notebook.generate(TINY_PROMPT, model=model, worker=worker, max_tokens=MAX)
     full.result(timeout=120)
-    cuts = [n for n in range(1, len(full.tokens)) if not full.text.startswith(_flushed(full.tokenizer, full.tokens[:n]))]
+    cuts = [
+        n for n in range(1, len(full.tokens)) if not full.text.startswith(_flushed(full.tokenizer, full.tokens[:n]))
+    ]
     assert cuts, "the tiny model's reference never ends inside a character: pick another prompt"
     return full, cuts
 
