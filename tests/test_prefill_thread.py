@@ -136,3 +136,43 @@ def test_the_default_prefills_in_turn_off_cuda(worker, tiny_model, prefill_threa
     first.cancel()
     assert first.wait(60)
     assert prefill_threads == ["mlx-notebook-worker", "mlx-notebook-worker"]
+
+
+@pytest.fixture
+def clear_cache_calls(monkeypatch):
+    """The thread of every ``mx.clear_cache`` call, in order."""
+    import mlx.core as mx
+
+    names: list[str] = []
+    real = mx.clear_cache
+
+    def spy() -> None:
+        names.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(mx, "clear_cache", spy)
+    return names
+
+
+def test_the_side_prefill_leaves_the_buffer_cache_to_the_others_steps(side_worker, tiny_model, clear_cache_calls):
+    """The buffer cache is the process's: a clear on the prefill thread would take the buffers of the others'
+    next step (and on CUDA wait for the device with the GIL held); a prefill on the worker still clears after
+    every chunk, as mlx-lm's does."""
+    keep_going = endless(side_worker, tiny_model)
+    first = mlx_notebook.generate(PROMPT, model=tiny_model, worker=side_worker, **keep_going)
+    wait_tokens(first, 5)
+    # Prompts of their own: the module's worker keeps a prompt cache, which would serve LONG whole.
+    joining = [(47 * i) % 250 + 20 for i in range(3500)]
+    joiner = mlx_notebook.generate(joining, model=tiny_model, worker=side_worker, max_tokens=4, stop_budget=0.01)
+    joiner.result(timeout=120)
+    n = len(first.tokens)
+    wait_tokens(first, n + 5)
+    first.cancel()
+    assert first.wait(60)
+    assert joiner.stats.prefill_chunks > 1 and joiner.stats.batch_size == 2
+    assert PREFILL_THREAD not in clear_cache_calls, clear_cache_calls
+    clear_cache_calls.clear()
+    solo = [(53 * i) % 250 + 20 for i in range(3500)]
+    alone_gen = mlx_notebook.generate(solo, model=tiny_model, worker=side_worker, max_tokens=1, stop_budget=0.01)
+    alone_gen.result(timeout=120)
+    assert clear_cache_calls.count("mlx-notebook-worker") >= alone_gen.stats.prefill_chunks > 1

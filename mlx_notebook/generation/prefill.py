@@ -39,6 +39,16 @@ from .stats import GenerationStats
 # mlx-lm's prefill_step_size: the chunks a quantized or rotating cache is fed in.
 ROTATING_PREFILL_CHUNK = 2048
 
+# Whether a prefill on the prefill thread returns MLX's buffer cache after every chunk, as mlx-lm's prefill
+# (and this loop elsewhere) does. Not there: that thread runs beside the others' decode steps, and the cache is
+# the process's, so each clear takes the buffers their next step would reuse (it allocates them again), and
+# on CUDA (mlx 0.32.1's source, read in session 37) the call holds the GIL and the allocator's lock throughout,
+# while cudaFree of a cached unified-memory buffer (a token read back lands in one) waits for the whole
+# device: the worker can neither build nor queue a step meanwhile. MLX's allocator still hands cached
+# memory back when an allocation would pass its limit, and the worker clears it once idle. The join A/B
+# (benchmarks/results/join_clear_cache_probe_session36.py.txt, ARM=clear) sets this to measure the old way.
+CLEAR_CACHE_ON_SIDE = False
+
 
 class Sink(Protocol):
     """Where the engine reports what happens (the worker's reporter for one generation, or a rank's)."""
@@ -143,7 +153,8 @@ def prefill(
             done += real
             sink.stats.prefill_chunks += 1
             sink.progress("prefill", done, total)
-            mx.clear_cache()
+            if not side or CLEAR_CACHE_ON_SIDE:
+                mx.clear_cache()
             if done >= to_process:
                 break
             n = agreed_chunk()
