@@ -138,10 +138,21 @@ class KernelSession:
     # -- executing -----------------------------------------------------------------
 
     def execute(self, code: str, timeout: float = 120.0, **kwargs: Any) -> Reply:
-        """Run ``code`` and return its reply and outputs once the kernel is idle again."""
+        """Run ``code`` and return its reply and outputs once the kernel is idle again.
+
+        A request the kernel aborted unrun is sent again (up to five times):
+        after a cell's error ipykernel aborts execute requests until a message
+        of its own reaches the shell, and one sent right after the error's
+        reply can come first (ipykernel 7.4; ipython/ipykernel#609). Seen in
+        the fault campaign: the cell after an interrupted ``--wait`` cell.
+        """
         start = time.monotonic()
-        msg_id = self.kc.execute(code, **kwargs)
-        reply = self._reply(msg_id, timeout)
+        for _ in range(5):
+            msg_id = self.kc.execute(code, **kwargs)
+            reply = self._reply(msg_id, timeout)
+            if reply["content"].get("status") != "aborted":
+                break
+            self.wait_until(lambda: self.idle(msg_id), timeout, f"idle after the aborted {code[:40]!r}")
         seconds = time.monotonic() - start
         self.wait_until(lambda: self.idle(msg_id), timeout, f"idle after {code[:40]!r}")
         return Reply(msg_id, reply["content"], self.with_parent(msg_id), seconds)
@@ -195,12 +206,7 @@ class KernelSession:
 
     def eval(self, expression: str, timeout: float = 60.0) -> Any:
         """Evaluate ``expression`` in the kernel; return ``literal_eval`` of its repr."""
-        for _ in range(5):
-            reply = self.execute("pass", timeout, user_expressions={"value": expression})
-            # After an error ipykernel aborts requests that were already queued.
-            if reply.content.get("status") != "aborted":
-                break
-            time.sleep(0.2)
+        reply = self.execute("pass", timeout, user_expressions={"value": expression})
         if "user_expressions" not in reply.content:
             raise RuntimeError(f"{expression}: {reply.content}")
         result = reply.content["user_expressions"]["value"]

@@ -11,6 +11,7 @@ import random
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import mlx_notebook
@@ -231,6 +232,35 @@ def test_mlx_error_fails_only_that_generation(worker, tiny_model):
         layers[1] = original
     assert worker.alive
     assert reference(worker, tiny_model, max_tokens=10) == expected
+
+
+def test_a_layer_swapped_before_the_first_generation_and_back_is_what_runs(worker, tiny_model):
+    """The layers list ``load_model`` hands out is the one the forward pass reads, before the model's first
+    generation too (the engine gives it its final form on first use: an edit of the list taken before went
+    nowhere, and a layer broken for a fault and put back stayed broken; session 37's fault campaign)."""
+    expected = reference(worker, tiny_model, max_tokens=10)
+    fresh = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        model, _ = mlx_notebook.load_model(tiny_model, worker=fresh)
+        layers = model.model.layers
+        original = layers[1]
+
+        class Broken(nn.Module):
+            def __call__(self, *args, **kwargs):
+                raise RuntimeError("[fault injection] layer failed on purpose")
+
+            def __getattr__(self, name):  # the model reads attributes off its layers (use_sliding)
+                return getattr(original, name)
+
+        layers[1] = Broken()
+        gen = run(fresh, tiny_model, max_tokens=10)
+        with pytest.raises(RuntimeError, match="fault injection"):
+            gen.result(timeout=60)
+        layers[1] = original
+        assert model.model.layers is layers
+        assert reference(fresh, tiny_model, max_tokens=10) == expected
+    finally:
+        assert fresh.shutdown(timeout=60)
 
 
 @pytest.mark.parametrize(

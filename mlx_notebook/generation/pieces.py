@@ -89,12 +89,44 @@ class _ThreadLayers(list):
 
 
 def _thread_layers(owner: nn.Module) -> _ThreadLayers:
-    """``owner``'s layers list, made a :class:`_ThreadLayers` on first use."""
+    """``owner``'s layers list, made a :class:`_ThreadLayers` on first use.
+
+    Made one, it is a new list holding the same layers: a reference to the
+    old list taken before no longer reaches the forward pass. Models handed
+    out (:meth:`.worker.Worker.load_model`) get theirs first (:func:`share_layers`).
+    """
     layers = owner.layers
     if not isinstance(layers, _ThreadLayers):
         layers = _ThreadLayers(layers)
         owner.layers = layers
     return layers
+
+
+_OWNER_PATHS = ("model", "language_model.model", "backbone", "transformer")
+
+
+def _owners(model: nn.Module) -> Iterator[nn.Module]:
+    """The modules of ``model`` at the usual paths whose ``layers`` is a non-empty list of modules."""
+    for path in _OWNER_PATHS:
+        owner: Any = model
+        for part in path.split("."):
+            owner = getattr(owner, part, None) if owner is not None else None
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if isinstance(layers, list) and layers and all(isinstance(layer, nn.Module) for layer in layers):
+            yield owner
+
+
+def share_layers(model: nn.Module) -> None:
+    """Give ``model``'s layers list its final form now, before anyone holds a reference to it.
+
+    The engine makes it a :class:`_ThreadLayers` at its first piece of work;
+    a caller who took ``model.model.layers`` before that and edits it (a
+    layer swapped for a test's fault, or back) would edit a list the forward
+    pass no longer reads (session 37's fault campaign: a layer broken before
+    a model's first prefill stayed broken after it was put back).
+    """
+    for owner in _owners(model):
+        _thread_layers(owner)
 
 
 class _CheckpointedLayer:
@@ -300,14 +332,9 @@ class MarkedLayers:
 
 def layer_owner(model: nn.Module, n_cache: int) -> nn.Module | None:
     """The module whose ``layers`` list ``model``'s forward pass iterates, one layer per cache entry."""
-    for path in ("model", "language_model.model", "backbone", "transformer"):
-        owner: Any = model
-        for part in path.split("."):
-            owner = getattr(owner, part, None) if owner is not None else None
-        layers = getattr(owner, "layers", None) if owner is not None else None
-        if isinstance(layers, list) and len(layers) == n_cache and layers:
-            if all(isinstance(layer, nn.Module) for layer in layers):
-                return owner
+    for owner in _owners(model):
+        if len(owner.layers) == n_cache:
+            return owner
     return None
 
 
@@ -320,4 +347,12 @@ def prefill_runner(loaded: LoadedModel, cache: list[Any], pace: Pace) -> ChunkRu
     return ChunkRunner(loaded.model, cache)
 
 
-__all__ = ["BuildStopped", "ChunkRunner", "LayerRunner", "MarkedLayers", "layer_owner", "prefill_runner"]
+__all__ = [
+    "BuildStopped",
+    "ChunkRunner",
+    "LayerRunner",
+    "MarkedLayers",
+    "layer_owner",
+    "prefill_runner",
+    "share_layers",
+]

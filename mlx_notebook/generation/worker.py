@@ -44,10 +44,11 @@ import mlx.core as mx
 
 from ..control import CancelToken, Pace
 from ..errors import InvalidArgumentError
-from ..loading.store import ModelStore, Tokenizer
+from ..loading.store import LoadedModel, ModelStore, Tokenizer
 from . import prefill_thread, warm_up
 from .handle import Generation, Reporter
 from .persist import read_resume
+from .pieces import share_layers
 from .prefix_cache import DEFAULT_PROMPT_CACHE_GB, GB
 from .request import GenerationRequest
 from .saving import save_generation
@@ -248,7 +249,14 @@ class Worker:
     def load_model(self, name: str | None = None) -> tuple[Any, Tokenizer]:
         """Load (or reuse) a model on the worker thread; return ``(model, tokenizer)``."""
         self.store.resolve(name)
-        loaded = self.call(lambda store: store.get(name))
+
+        def get(store: ModelStore) -> LoadedModel:
+            loaded = store.get(name)
+            # On the worker thread, which makes the list otherwise: the one the caller reaches is the one it reads.
+            share_layers(loaded.model)
+            return loaded
+
+        loaded = self.call(get)
         return loaded.model, loaded.tokenizer
 
     def _check_open(self) -> None:
