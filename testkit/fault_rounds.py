@@ -588,6 +588,16 @@ class Campaign:
                     s.km.interrupt_kernel()
                 elif action == "stop_all":
                     assert s.execute("%mlxgen_stop all").ok
+            for _, name, _ in cells:
+                # A Pause clicked as the last action may not have taken effect yet: resumed only
+                # once paused, the row would pause after the loop below and stay so (seen: seed 23).
+                pending = (
+                    f"{name}.token.pause_requested and {name}.state not in ('paused', 'done', 'stopped', 'failed')"
+                )
+                deadline = time.monotonic() + 60
+                while s.eval(pending):  # polled in the kernel: no message tells of it
+                    assert time.monotonic() < deadline, f"{name}'s pause did not take effect within 60 s"
+                    time.sleep(0.05)
             for cell, _, _ in cells:  # resume what is still paused
                 if _state(s, cell)[0] == "paused":
                     s.click(view(s, cell)["pause"][0])
