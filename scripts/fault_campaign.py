@@ -27,6 +27,7 @@ Usage::
     python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json
     python -m scripts.fault_campaign --rounds 500 --json /tmp/faults500.json --resume
     python -m scripts.fault_campaign --rounds 30 --default-share 0 --exit-rounds 4 --batch-rounds 10
+    python -m scripts.fault_campaign --rounds 300 --default-share 0 --prompt-cache-gb 2 --json /tmp/cached.json
     python -m scripts.fault_campaign --rounds 0 --exit-rounds 0 --batch-rounds 0 --cluster-rounds 50 \\
         --json benchmarks/results/fault_campaign_cluster.json
 """
@@ -533,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kill-rank", type=int, default=None, help="the rank that rank faults hit (default: a random one each round)"
     )
+    parser.add_argument(
+        "--prompt-cache-gb",
+        type=float,
+        default=0.0,
+        help="the kernel's MLXGen.prompt_cache_gb: reruns start from their cached prefix (default 0: off)",
+    )
     parser.add_argument("--workdir", default=None, help="where the tiny models go (default: a temp dir)")
     args = parser.parse_args(argv)
     cluster_faults = tuple(f.strip() for f in args.cluster_faults.split(",") if f.strip())
@@ -619,7 +626,9 @@ def local_rounds(
     save: Callable[[], None],
 ) -> None:
     """The local worker's rounds: exit rounds, batched rounds, then fault rounds (each saved as it ends)."""
-    campaign = Campaign(models, seed=args.seed, log=lambda line: print(line, flush=True))
+    campaign = Campaign(
+        models, seed=args.seed, log=lambda line: print(line, flush=True), prompt_cache_gb=args.prompt_cache_gb
+    )
     print(f"models: {', '.join(m.label for m in models)}; rounds {done}..{args.rounds - 1}", flush=True)
     campaign.start()
     payload["references"] = {f"{k[0]}/{k[1]}": len(v) for k, v in campaign.references.items()}
