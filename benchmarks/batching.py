@@ -44,6 +44,7 @@ import mlx_notebook  # isort: skip  (before mlx: OpenBLAS must be loaded first)
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -410,6 +411,40 @@ class Trace:
         return [f"{1000 * (t - t0):+.1f} {label}" for t, label in self.events if t0 - 0.001 <= t <= t1 + 0.001]
 
 
+class JoinTurns:
+    """The device turns of the prompts that joined inside the block (the library's own counts, kept at no cost)."""
+
+    def __init__(self) -> None:
+        self.counts: list = []
+
+    def __enter__(self):
+        from mlx_notebook.generation import device_turns
+
+        self._cls = device_turns.DeviceTurns
+        original = self._original = self._cls.close
+        counts = self.counts
+
+        def close(turns):
+            counts.append(dataclasses.replace(turns.counts))
+            original(turns)
+
+        self._cls.close = close
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.close = self._original
+
+    def summary(self) -> dict | None:
+        """The last join's counts, times in ms; ``None`` where the prompt was prefilled on the worker itself."""
+        if not self.counts:
+            return None
+        counts = dataclasses.asdict(self.counts[-1])
+        return {
+            k[:-2] + "_ms" if k.endswith("_s") else k: round(1000 * v, 3) if k.endswith("_s") else v
+            for k, v in counts.items()
+        }
+
+
 class CachedTrace(Trace):
     """What the worker did while a cached prompt started and stopped (``--trace``)."""
 
@@ -504,7 +539,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     clock = TokenClock(gens)
     wait_decoding(gens, 8)
     tracer = Trace()
-    with GcPauses() as pauses, tracer if trace else contextlib.nullcontext():
+    with GcPauses() as pauses, tracer if trace else contextlib.nullcontext(), JoinTurns() as turns:
         joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=after_tokens, stop_budget=budget)
         jclock = TokenClock([joiner])
         t_join = time.perf_counter()
@@ -555,6 +590,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         "others_step_after_join_ms": 1000 * step_after,
         "budget_plus_2_steps_ms": 1000 * (budget + 2 * step),
         "budget_plus_2_steps_after_ms": 1000 * (budget + 2 * step_after),
+        "turns": turns.summary(),
     }
 
 

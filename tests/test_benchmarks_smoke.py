@@ -101,3 +101,17 @@ def test_token_clock_times_tokens_not_the_flush_at_a_generations_end(tiny_model)
     clock(GenerationEvent("tokens", gen, gen.state, text="<"))
     assert len(clock.times[gen.id]) == n
     worker.shutdown(timeout=60)
+
+
+def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thread(side_worker, tiny_model):
+    # The turns' counts are how the others' gap is read untraced on a device (where to look when it is long).
+    from benchmarks.batching import join_gap
+
+    prompts = ["Once upon a time the quick brown fox"] * 2
+    join_ids = [(41 * i) % 250 + 20 for i in range(1500)]
+    result = join_gap(side_worker, tiny_model, prompts, join_ids, budget=0.02, after_tokens=3)
+    turns = result["turns"]
+    assert turns is not None, "the prompt did not join on the prefill thread"
+    assert turns["side_turns"] >= 2 and turns["worker_turns"] >= 2, turns
+    assert 0 < turns["worker_wait_max_ms"] <= turns["worker_wait_ms"], turns
+    assert result["others_max_gap_ms"] > 0

@@ -101,6 +101,12 @@ def test_the_prompt_holds_the_device_for_its_slice_then_hands_it_over():
             run = 0
     # 5 ms pieces against a 50 ms slice: several pieces a turn, not one.
     assert max(runs) >= 5 and len(runs) >= 3, runs
+    # The hold is counted from the take to the hand-over: a slice at least, and a piece past it at most
+    # (a loose ceiling: a busy machine may stretch a sleep).
+    counts = turns.counts
+    assert 0.05 <= counts.side_hold_max_s < 2.0, counts
+    assert counts.worker_wait_max_s >= 0.005, counts  # the worker waited out at least one piece
+    assert counts.worker_wait_s >= counts.worker_wait_max_s and counts.side_wait_s >= counts.side_wait_max_s
 
 
 def test_the_worker_waits_at_most_its_bound_for_a_piece_that_runs_long():
@@ -111,6 +117,9 @@ def test_the_worker_waits_at_most_its_bound_for_a_piece_that_runs_long():
         waited = time.monotonic() - t0
     assert 0.04 <= waited < 2.0
     assert turns.counts.worker_timeouts == 1
+    # The wait and the prompt's hold it ended are both counted, and read as long as the wait measured here.
+    assert 0.04 <= turns.counts.worker_wait_max_s <= waited
+    assert turns.counts.side_hold_max_s >= turns.counts.worker_wait_max_s
 
 
 def test_a_stop_of_the_prompt_ends_its_wait_for_the_others_at_once():

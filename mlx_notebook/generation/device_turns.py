@@ -42,12 +42,31 @@ _WORKER = "worker"
 
 @dataclass
 class TurnCounts:
-    """How the turns went: how many each side took, and how many waits ran out."""
+    """How the turns went: how many each side took, how long they waited and held the device, how many waits ran out.
+
+    The times are the host's clock around the waits, so they cost nothing to
+    keep and read the same untraced: the others' gap while a prompt joins is
+    about the worker's wait plus its step (``benchmarks/batching.py`` reports them).
+    """
 
     side_turns: int = 0
     worker_turns: int = 0
     side_timeouts: int = 0
     worker_timeouts: int = 0
+    worker_wait_s: float = 0.0
+    worker_wait_max_s: float = 0.0
+    side_wait_s: float = 0.0
+    side_wait_max_s: float = 0.0
+    # From the prefill thread's take of the device to its hand-over (its pieces queued and drained).
+    side_hold_max_s: float = 0.0
+
+    def worker_waited(self, seconds: float) -> None:
+        self.worker_wait_s += seconds
+        self.worker_wait_max_s = max(self.worker_wait_max_s, seconds)
+
+    def side_waited(self, seconds: float) -> None:
+        self.side_wait_s += seconds
+        self.side_wait_max_s = max(self.side_wait_max_s, seconds)
 
 
 class DeviceTurns:
@@ -81,13 +100,17 @@ class DeviceTurns:
     def worker_turn(self) -> Iterator[None]:
         """Hold the device for one step of the others (their work queued and read inside)."""
         with self._cond:
-            deadline = time.perf_counter() + self.worker_wait_s
+            asked = time.perf_counter()
+            deadline = asked + self.worker_wait_s
             while not self._closed and (self._owner == _SIDE or self._side_is_due()):
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     self.counts.worker_timeouts += 1
                     break
                 self._cond.wait(left)
+            self.counts.worker_waited(time.perf_counter() - asked)
+            if self._owner == _SIDE:
+                self._hand_over()  # the wait ran out: the side's hold ends here
             # Also after a wait that ran out: the prefill thread's next take waits for this step.
             self._owner = _WORKER
             self._idle = False
@@ -129,12 +152,13 @@ class DeviceTurns:
             if self._owner == _SIDE:
                 if time.perf_counter() - self._taken_at < self.slice_s:
                     return
-                self._owner = None
+                self._hand_over()
                 self._wanted_after = self._steps  # one step of the others, then the device again
             else:
                 self._wanted_after = self._steps - 1  # not held before (or let go at a pause): as soon as it is free
             self._cond.notify_all()
-            deadline = time.perf_counter() + self.side_wait_s
+            asked = time.perf_counter()
+            deadline = asked + self.side_wait_s
             try:
                 while not (self._owner is None and self._side_is_due()):
                     if self._closed or requested():
@@ -148,14 +172,20 @@ class DeviceTurns:
                 self._taken_at = time.perf_counter()
                 self.counts.side_turns += 1
             finally:
+                self.counts.side_waited(time.perf_counter() - asked)
                 self._wanted_after = None
                 self._cond.notify_all()
+
+    def _hand_over(self) -> None:
+        """The prefill thread's hold ends (the condition's lock held): no owner, its length counted."""
+        self._owner = None
+        self.counts.side_hold_max_s = max(self.counts.side_hold_max_s, time.perf_counter() - self._taken_at)
 
     def release(self) -> None:
         """The prompt lets go of the device (a pause blocks it); it takes it again at a later checkpoint."""
         with self._cond:
             if self._owner == _SIDE:
-                self._owner = None
+                self._hand_over()
                 self._cond.notify_all()
 
     def wake(self) -> None:
@@ -167,5 +197,7 @@ class DeviceTurns:
         """The prompt's prefill ended: nobody waits for it again."""
         with self._cond:
             self._closed = True
+            if self._owner == _SIDE:
+                self._hand_over()
             self._owner = None
             self._cond.notify_all()
