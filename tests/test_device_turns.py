@@ -122,6 +122,24 @@ def test_the_worker_waits_at_most_its_bound_for_a_piece_that_runs_long():
     assert turns.counts.side_hold_max_s >= turns.counts.worker_wait_max_s
 
 
+def test_the_prompt_hands_over_as_its_drain_was_told_not_as_the_clock_reads_later():
+    # The layer hook asks due() before it drains, the checkpoint comes after: a slice that ran out between the
+    # two must not hand the device over with a piece still queued.
+    turns = DeviceTurns(slice_s=0.005, worker_wait_s=5.0, side_wait_s=0.05)
+    turns.side_checkpoint(lambda: False)  # takes the device (nobody else wants it)
+    assert turns.counts.side_turns == 1
+    assert not turns.due()  # just taken: the hook keeps its next group queued
+    time.sleep(0.02)  # the slice runs out before the checkpoint
+    turns.side_checkpoint(lambda: False)
+    assert turns.counts.side_turns == 1 and turns.counts.side_timeouts == 0, "handed over with work queued"
+    # Asked again at the next group, it is due: the hook drains, and the checkpoint hands over (and, no worker
+    # here to step, takes the device back once its wait runs out).
+    assert turns.due()
+    turns.side_checkpoint(lambda: False)
+    assert turns.counts.side_turns == 2 and turns.counts.side_timeouts == 1
+    assert turns.counts.side_hold_max_s >= 0.02
+
+
 def test_a_stop_of_the_prompt_ends_its_wait_for_the_others_at_once():
     turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=DEADLINE_S)
     stop = threading.Event()

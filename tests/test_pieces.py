@@ -141,3 +141,39 @@ def test_layers_wrapped_on_one_thread_are_not_seen_on_another() -> None:
     assert seen == {"this": ["_CheckpointedLayer"] * 4, "other": ["Linear"] * 4}
     assert [type(layer).__name__ for layer in owner.layers] == ["Linear"] * 4
     assert len(owner.layers) == 4 and isinstance(owner.layers, list)
+
+
+def test_a_turn_that_comes_while_a_group_finishes_drains_the_next_before_the_checkpoint(monkeypatch) -> None:
+    # On the prefill thread the checkpoint may hand the device to the others' step. Whether it does may change
+    # while the hook waits for a group to finish: then the group queued behind it is finished too, and the
+    # checkpoint hands over with nothing queued (the hook asked once, before the wait, until session 38: the
+    # device went over one group later, or with a group still queued).
+    from mlx_notebook.generation import pieces
+
+    model = tiny_llama()
+    waits = [0]
+    real_eval = pieces.mx.eval
+
+    def counting_eval(*args):
+        waits[0] += 1
+        return real_eval(*args)
+
+    monkeypatch.setattr(pieces.mx, "eval", counting_eval)
+    at_checkpoint: list[tuple[bool, int]] = []
+    runner: LayerRunner
+
+    def shared() -> bool:
+        return waits[0] > 0  # due once a group was waited for since the last checkpoint
+
+    def between() -> None:
+        at_checkpoint.append((shared(), len(runner._in_flight)))
+        waits[0] = 0
+
+    pace = Pace(CancelToken(), 1e-6, between=between, shared=shared)  # one layer per group
+    runner = LayerRunner(model.model, model, cache_of(model), pace)
+    runner.run(PROMPT)
+    assert len(at_checkpoint) >= 3, at_checkpoint
+    # A group with one queued before it waits for that one, which makes the turn due: it is drained too. After a
+    # drain the next group has nothing to wait for and stays queued (not due).
+    assert at_checkpoint[0] == (False, 1)
+    assert all(c == ((True, 0) if i % 2 else (False, 1)) for i, c in enumerate(at_checkpoint)), at_checkpoint

@@ -92,6 +92,8 @@ class DeviceTurns:
         self._idle = False
         # While the prefill thread waits for the device: the worker's step count when it let go.
         self._wanted_after: int | None = None
+        # What due() last told the prefill thread since its last checkpoint (None: not asked; the clock decides).
+        self._told: bool | None = None
         self._closed = False
 
     # -- the worker thread ---------------------------------------------------------
@@ -137,8 +139,16 @@ class DeviceTurns:
     # -- the prefill thread --------------------------------------------------------
 
     def due(self) -> bool:
-        """Whether the prefill thread hands the device over at its next checkpoint (drain its work first)."""
-        return self._owner != _SIDE or time.perf_counter() - self._taken_at >= self.slice_s
+        """Whether the prefill thread hands the device over at its next checkpoint (drain its work first).
+
+        The answer is kept for that checkpoint, which hands over exactly when
+        the work was drained for it: read twice, a slice that ran out between
+        the reads (while the drain waited for a piece) handed the device over
+        with the next piece still queued, and the others' step ran beside it.
+        """
+        due = self._owner != _SIDE or time.perf_counter() - self._taken_at >= self.slice_s
+        self._told = due
+        return due
 
     def side_checkpoint(self, requested: Callable[[], bool]) -> None:
         """At a checkpoint of the prompt: hand the device over when due, and take it back after one of the others' steps.
@@ -149,8 +159,9 @@ class DeviceTurns:
         with self._cond:
             if self._closed:
                 return
+            told, self._told = self._told, None
             if self._owner == _SIDE:
-                if time.perf_counter() - self._taken_at < self.slice_s:
+                if not (told if told is not None else time.perf_counter() - self._taken_at >= self.slice_s):
                     return
                 self._hand_over()
                 self._wanted_after = self._steps  # one step of the others, then the device again

@@ -218,9 +218,10 @@ class LayerRunner:
         mx.async_eval(hidden)
         self._in_flight.append(hidden)
         # Others' decode step may run in the checkpoint: it would wait for
-        # every group queued before it, so then none stays queued.
-        keep = 0 if self.pace.shared is not None and self.pace.shared() else self.max_in_flight
-        while len(self._in_flight) > keep:
+        # every group queued before it, so then none stays queued. Asked again
+        # after each wait: the others' turn may come while a group finishes.
+        shared = self.pace.shared
+        while self._in_flight and (len(self._in_flight) > self.max_in_flight or (shared is not None and shared())):
             mx.eval(self._in_flight.pop(0))
         # The checkpoint may run other generations' decode steps (and a pause
         # blocks in it): they see the real layers, and their time and the
