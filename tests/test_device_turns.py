@@ -140,6 +140,22 @@ def test_the_prompt_hands_over_as_its_drain_was_told_not_as_the_clock_reads_late
     assert turns.counts.side_hold_max_s >= 0.02
 
 
+def test_ahead_pieces_near_the_slice_hand_over_before_the_hold_passes_it():
+    # Pieces of 0.12 s against a 0.2 s slice: handing over at the first ask past the slice holds the device for
+    # two pieces (0.24 s, past the worker's wait of a budget); ahead, read from their pace, one piece a turn.
+    turns = DeviceTurns(slice_s=0.2, worker_wait_s=5.0, side_wait_s=5.0, ahead=True)
+    turns.pass_turn()  # no step of the others to wait for: the prompt takes the device back at once
+    turns.side_checkpoint(lambda: False)
+    for _ in range(5):
+        turns.due()  # the hook's ask, after it waited for the piece before
+        turns.side_checkpoint(lambda: False)
+        time.sleep(0.12)  # a piece on the device (the hook waits for it before its next ask)
+    counts = turns.counts
+    assert counts.side_turns >= 4, counts  # after the first piece's pace is known, a hand-over every piece
+    assert 0.1 <= counts.side_hold_max_s < 0.2, counts
+    assert 0.1 <= turns.piece_s < 0.2
+
+
 def test_a_stop_of_the_prompt_ends_its_wait_for_the_others_at_once():
     turns = DeviceTurns(slice_s=0.0, worker_wait_s=5.0, side_wait_s=DEADLINE_S)
     stop = threading.Event()

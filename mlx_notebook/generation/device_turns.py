@@ -16,8 +16,10 @@ Here each side waits for the other, so the device runs one step, then one piece:
   the step meanwhile (:meth:`.DecodeBatch.step`'s ``hold``): the others' gap is
   about one step plus one piece, and a piece is sized to the budget;
 - the prefill thread hands the device over at its first checkpoint after
-  ``slice_s`` of holding it, with its work drained (the pace's ``shared``), and
-  takes it again once one of the others' steps ended.
+  ``slice_s`` of holding it (with ``ahead``: at the one before its hold would
+  pass it, its pieces' pace read between its asks), with its work drained
+  (the pace's ``shared``), and takes it again once one of the others' steps
+  ended.
 
 Neither waits forever: the worker waits at most ``worker_wait_s`` (a piece that
 runs long, e.g. while a graph for a new shape is built on the host, costs the
@@ -77,10 +79,17 @@ class DeviceTurns:
           over at a checkpoint.
         worker_wait_s: The longest the worker waits for a piece before it steps anyway.
         side_wait_s: The longest the prefill thread waits for one of the others' steps.
+        ahead: Hand over before the hold would pass ``slice_s``, not at the
+          first checkpoint past it. Default: ``False`` (off until measured on a
+          device, where the prefill thread runs: pieces are sized near the
+          slice, so a hold ran to two of them, and the turns shrink the
+          prompt's share of the device, which slows its prefill; on the CPU
+          with the thread forced, 1.5x longer to its first token).
     """
 
-    def __init__(self, slice_s: float, worker_wait_s: float, side_wait_s: float) -> None:
+    def __init__(self, slice_s: float, worker_wait_s: float, side_wait_s: float, *, ahead: bool = False) -> None:
         self.slice_s = slice_s
+        self.ahead = ahead
         self.worker_wait_s = worker_wait_s
         self.side_wait_s = side_wait_s
         self.counts = TurnCounts()
@@ -94,6 +103,9 @@ class DeviceTurns:
         self._wanted_after: int | None = None
         # What due() last told the prefill thread since its last checkpoint (None: not asked; the clock decides).
         self._told: bool | None = None
+        # Seconds between two of the prefill thread's asks in one hold (about a piece), and its last ask.
+        self.piece_s = 0.0
+        self._asked_at: float | None = None
         self._closed = False
 
     # -- the worker thread ---------------------------------------------------------
@@ -146,7 +158,18 @@ class DeviceTurns:
         the reads (while the drain waited for a piece) handed the device over
         with the next piece still queued, and the others' step ran beside it.
         """
-        due = self._owner != _SIDE or time.perf_counter() - self._taken_at >= self.slice_s
+        now = time.perf_counter()
+        if self._owner != _SIDE:
+            due = True
+        else:
+            if self._asked_at is not None:
+                # The pieces' pace: one is queued behind the one waited for between two asks.
+                seen = now - self._asked_at
+                self.piece_s = seen if not self.piece_s else (self.piece_s + seen) / 2
+            self._asked_at = now
+            # Ahead: the piece just queued ends about a piece from now, the next one a piece later; hand over
+            # before the hold would pass the slice.
+            due = now - self._taken_at + (2 * self.piece_s if self.ahead else 0.0) >= self.slice_s
         self._told = due
         return due
 
@@ -161,7 +184,10 @@ class DeviceTurns:
                 return
             told, self._told = self._told, None
             if self._owner == _SIDE:
-                if not (told if told is not None else time.perf_counter() - self._taken_at >= self.slice_s):
+                # Not asked since the last checkpoint (nothing queued): the clock decides (ahead: with the next piece).
+                if told is None:
+                    told = time.perf_counter() - self._taken_at + (self.piece_s if self.ahead else 0.0) >= self.slice_s
+                if not told:
                     return
                 self._hand_over()
                 self._wanted_after = self._steps  # one step of the others, then the device again
@@ -181,6 +207,7 @@ class DeviceTurns:
                     self._cond.wait(left)
                 self._owner = _SIDE
                 self._taken_at = time.perf_counter()
+                self._asked_at = None
                 self.counts.side_turns += 1
             finally:
                 self.counts.side_waited(time.perf_counter() - asked)

@@ -64,6 +64,9 @@ _SHARED = "shared"
 # How long an idle session (every generation paused) waits before looking
 # again; requests wake it at once (the tokens' watchers).
 IDLE_WAIT_S = 0.5
+# A joining prompt on the prefill thread hands the device over before its hold would pass its slice (DeviceTurns'
+# ``ahead``). Off until a device measures it (benchmarks/results/join_handover_probe_session38.py.txt sets it).
+TURNS_AHEAD = False
 
 
 class Jobs(Protocol):
@@ -311,7 +314,9 @@ class Session:
             # The prompt hands the device over after about half a budget (its layer groups are sized to half of
             # it: a group or two a turn), so the others' gap is about a step and a budget; they wait at most one
             # budget for it, and it waits for one of their steps (at most 4 budgets: a save may hold the worker).
-            turns = DeviceTurns(slice_s=budget * OTHERS_STEP_SHARE, worker_wait_s=budget, side_wait_s=4 * budget)
+            turns = DeviceTurns(
+                slice_s=budget * OTHERS_STEP_SHARE, worker_wait_s=budget, side_wait_s=4 * budget, ahead=TURNS_AHEAD
+            )
             side = self._side = _Side(reporter, turns=turns)
             side.job = thread.submit(lambda stream: self._side_row(reporter, stack, stream, side))
             return
