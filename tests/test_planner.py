@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlx_notebook.generation.chunks import ChunkPlanner
+from mlx_notebook.generation.chunks import MAX_PREFILL_CHUNK, ChunkPlanner
 
 GROWTH = 4  # the planner's most growth from one chunk to the next
 
@@ -239,8 +239,24 @@ def test_the_next_prompts_first_chunk_from_the_carried_cost_fits_the_target(load
     for seed in range(30):
         first = ChunkPlanner()
         simulate(first, 3000, LAYER_TARGET, device(**params), seed=seed)
-        n = ChunkPlanner(first.cost).next_chunk(LAYER_TARGET, 0, 3000)
+        n = ChunkPlanner(first.cost, history=first.history).next_chunk(LAYER_TARGET, 0, 3000)
         assert true.seconds(n, 0) <= 1.5 * LAYER_TARGET, (seed, n, first.cost, first.per_context)
+
+
+def test_a_fit_with_no_per_token_part_does_not_open_the_next_prompt_with_the_largest_chunk() -> None:
+    # Measured (session 38): the last chunks of a 2,716-token prompt of the tiny test model, budget 0.05, this
+    # CPU. The fit puts their cost in the context part; carried as (fixed, per_token) alone, the next prompt
+    # planned 2,048 tokens at position 0 (stops of 0.4-0.8 s); from the chunks, it grows from what they measured.
+    history = [
+        (143, 1840, 0.0703), (132, 1983, 0.0692), (125, 2115, 0.0654), (121, 2240, 0.0672),
+        (117, 2361, 0.0799), (108, 2478, 0.0835), (100, 2586, 0.0630), (30, 2686, 0.0222),
+    ]  # fmt: skip
+    carried = ChunkPlanner(history=history)
+    assert carried.cost is not None and carried.cost[1] == 0.0 and carried.per_context > 0
+    assert ChunkPlanner(carried.cost).next_chunk(0.07, 0, 2716) == MAX_PREFILL_CHUNK  # the trap, from the fit alone
+    n = carried.next_chunk(0.07, 0, 2716)
+    assert 8 < n <= max(x for x, _, _ in history), n
+    assert carried.history == tuple(history)
 
 
 def test_the_same_planner_keeps_quiet_chunks_within_the_target() -> None:

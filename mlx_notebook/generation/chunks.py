@@ -6,6 +6,7 @@ This module never imports IPython or ipywidgets.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -71,21 +72,43 @@ class ChunkPlanner:
     it had fit; and a planned chunk never run before gives way to one up to
     4x smaller that has (see :meth:`_seen_size`).
 
+    A prompt starts from the last prompt's chunks (``history``), not from its
+    fit alone: the fit's context part and the chunks' measured time per token
+    come with them. Carried as ``(fixed, per_token)``, a fit that had put the
+    late chunks' cost into the context part gave a per-token part of 0, and
+    the next prompt opened with a 2,048-token chunk (the tiny test model at
+    budget 0.05 on this CPU: stops 0.4-0.8 s into it, the fault campaign's).
+
     Args:
-        cost: A ``(fixed_s, per_token_s)`` from an earlier generation, or ``None``.
+        cost: A ``(fixed_s, per_token_s)`` from an earlier generation, or
+          ``None``; ignored where ``history`` is given. Default: ``None``.
         shapes_seen: ``(start, size)`` pairs run before with this model, updated
           here; ``None`` where shapes cost nothing new (no first-use rule).
+          Default: ``None``.
+        history: ``(n, start, seconds)`` of an earlier prompt's last chunks
+          (:attr:`history`). Default: none.
     """
 
     def __init__(
-        self, cost: tuple[float, float] | None = None, shapes_seen: set[tuple[int, int]] | None = None
+        self,
+        cost: tuple[float, float] | None = None,
+        shapes_seen: set[tuple[int, int]] | None = None,
+        *,
+        history: Sequence[tuple[int, int, float]] = (),
     ) -> None:
         self.cost: tuple[float, float] | None = (cost[0], cost[1]) if cost is not None else None
         self.per_context = 0.0  # seconds a token costs more per position of context before it
         self.shapes_seen = shapes_seen
-        self._samples: list[tuple[int, int, float]] = []  # (n, start, seconds)
+        self._samples: list[tuple[int, int, float]] = list(history)[-FIT_WINDOW:]  # (n, start, seconds)
         self._last = 0
         self._grow_blind = False
+        if self._samples:
+            self._fit()
+
+    @property
+    def history(self) -> tuple[tuple[int, int, float], ...]:
+        """The chunks the fit stands on, ``(n, start, seconds)``: what the next prompt starts from."""
+        return tuple(self._samples)
 
     def predict(self, n: int, start: int) -> float | None:
         """Seconds the fitted cost gives a chunk of ``n`` tokens from ``start`` (``None`` before a fit)."""
