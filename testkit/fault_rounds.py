@@ -1053,6 +1053,13 @@ def summarize(results: Sequence[RoundResult], exits: Sequence[RoundResult] = ())
         "stop_latency_s_max": max(latencies) if latencies else None,
         "stop_latency_s_median": sorted(latencies)[len(latencies) // 2] if latencies else None,
         "stop_latency_s_by_model_and_state": _latencies(rounds),
+        # Not a pass mark (STOP_LATENCY_LIMIT_S is, generous for a shared CPU), but where to look: session 38 found
+        # the planner's carried-cost trap from tiny-model prefill stops of 0.3-0.8 s at budget 0.05 listed here.
+        "slowest_stops": [
+            f"#{r.index} {r.model} {r.fault} in {r.landed}: {r.stop_latency_s:.3f} s"
+            for r in sorted(rounds, key=lambda r: -(r.stop_latency_s or 0))[:5]
+            if r.stop_latency_s is not None
+        ],
         "restarts_in_rounds": sum(r.fault == "restart" for r in results),
         "exits": dict(exit_codes),
         "exit_seconds_max": max((r.exit["seconds"] for r in rounds if r.exit), default=None),
