@@ -84,7 +84,7 @@ class DeviceTurns:
           device, where the prefill thread runs: pieces are sized near the
           slice, so a hold ran to two of them, and the turns shrink the
           prompt's share of the device, which slows its prefill; on the CPU
-          with the thread forced, 1.5x longer to its first token).
+          with the thread forced, 1.3-2x longer to its first token).
     """
 
     def __init__(self, slice_s: float, worker_wait_s: float, side_wait_s: float, *, ahead: bool = False) -> None:
