@@ -228,7 +228,7 @@ def test_the_engines_measured_costs_keep_nine_chunks_in_ten_within_the_target(lo
 @pytest.mark.parametrize("load", [*ENGINE, "QUIET"])
 def test_the_next_prompts_first_chunk_from_the_carried_cost_fits_the_target(load: str) -> None:
     # The engine hands a prompt's last fit, (fixed, per_token), to the next prompt of the model
-    # (LoadedModel.prefill_cost); its context part stays behind. A fit that put the cost of late
+    # (LoadedModel.prefill_cost until session 38); its context part stayed behind. A fit that put the cost of late
     # chunks into that part carries a per-token cost near 0, and the next prompt opened with a
     # 2,048-token chunk: tried in session 29 (the context part fitted from 256 positions, not
     # 512), 14x the target here in most quiet seeds, and on the CPU beside two busy loops stops

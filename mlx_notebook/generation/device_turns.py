@@ -167,9 +167,8 @@ class DeviceTurns:
                 seen = now - self._asked_at
                 self.piece_s = seen if not self.piece_s else (self.piece_s + seen) / 2
             self._asked_at = now
-            # Ahead: the piece just queued ends about a piece from now, the next one a piece later; hand over
-            # before the hold would pass the slice.
-            due = now - self._taken_at + (2 * self.piece_s if self.ahead else 0.0) >= self.slice_s
+            # Ahead: the piece just queued ends about a piece from now, the next one a piece later.
+            due = self._hold_passes_slice(now, pieces_ahead=2)
         self._told = due
         return due
 
@@ -186,7 +185,7 @@ class DeviceTurns:
             if self._owner == _SIDE:
                 # Not asked since the last checkpoint (nothing queued): the clock decides (ahead: with the next piece).
                 if told is None:
-                    told = time.perf_counter() - self._taken_at + (self.piece_s if self.ahead else 0.0) >= self.slice_s
+                    told = self._hold_passes_slice(time.perf_counter(), pieces_ahead=1)
                 if not told:
                     return
                 self._hand_over()
@@ -213,6 +212,11 @@ class DeviceTurns:
                 self.counts.side_waited(time.perf_counter() - asked)
                 self._wanted_after = None
                 self._cond.notify_all()
+
+    def _hold_passes_slice(self, now: float, pieces_ahead: int) -> bool:
+        """Whether the prefill thread's hold has passed its slice (with ``ahead``: would, ``pieces_ahead`` pieces on)."""
+        ahead_s = pieces_ahead * self.piece_s if self.ahead else 0.0
+        return now - self._taken_at + ahead_s >= self.slice_s
 
     def _hand_over(self) -> None:
         """The prefill thread's hold ends (the condition's lock held): no owner, its length counted."""

@@ -115,7 +115,7 @@ def prefill(
     sink.stats.prefill_pieces = runner.pieces
     seen = loaded.side_shapes_seen if side else loaded.prefill_shapes_seen
     shapes = seen if builds_kernels_per_shape() else None
-    planner = ChunkPlanner(loaded.prefill_cost, shapes, history=loaded.prefill_history)
+    planner = ChunkPlanner(shapes_seen=shapes, history=loaded.prefill_history)
     # A last chunk may be fed padded to a shape built before (padded_to_seen); the pad is cut off the cache after
     # it, which needs plain KVCache layers.
     trimmable = batch_cache.batchable(cache)
@@ -160,7 +160,6 @@ def prefill(
             n = agreed_chunk()
     pace.checkpoint()
     if planner.cost is not None:
-        loaded.prefill_cost = planner.cost
         loaded.prefill_history = planner.history
     if not (last and 0 < start == to_process and isinstance(runner, LayerRunner) and (kv is None or kv.plain)):
         return None

@@ -86,11 +86,9 @@ class LoadedModel:
         config: The model's config dict.
         nbytes: Bytes of parameters.
         load_s: Seconds the load took.
-        prefill_cost: The prefill chunk planner's ``(fixed_s, per_token_s)``
-          from the last generation. Default: ``None`` (not measured yet).
-        prefill_history: The chunks that fit stands on, ``(n, start,
-          seconds)``, so the next prompt starts with right-sized chunks
-          (``generation.chunks.ChunkPlanner``). Default: empty.
+        prefill_history: The prefill chunk planner's last chunks, ``(n,
+          start, seconds)``, so the next prompt starts with right-sized chunks
+          (``generation.chunks.ChunkPlanner`` fits its cost to them). Default: empty.
         prefill_shapes_seen: ``(start, size)`` of the prefill chunks run so
           far on the worker thread (devices that build kernels per shape).
           Default: empty.
@@ -123,7 +121,6 @@ class LoadedModel:
     config: dict[str, Any]
     nbytes: int
     load_s: float
-    prefill_cost: tuple[float, float] | None = None
     prefill_history: tuple[tuple[int, int, float], ...] = ()
     prefill_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
     side_shapes_seen: set[tuple[int, int]] = field(default_factory=set)
