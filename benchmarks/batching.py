@@ -566,7 +566,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             # order): a gap that ends within 2 ms of it, or spans it, is the admit's.
             phase = "admit" if abs(b - t_first) < 0.002 or a < t_first < b else "prefill" if b < t_first else "after"
             where[phase] = max(where[phase], b - a)
-            if phase == "admit" and b - a >= max((g for g, _, _ in admits), default=0.0):
+            if phase == "admit" and b - a >= max((x for x, _, _ in admits), default=0.0):
                 admits[:] = [(b - a, a, b)]
             if phase == "after":
                 after.append(b - a)
