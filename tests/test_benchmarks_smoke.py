@@ -115,3 +115,35 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
     assert turns["side_turns"] >= 2 and turns["worker_turns"] >= 2, turns
     assert 0 < turns["worker_wait_max_ms"] <= turns["worker_wait_ms"], turns
     assert result["others_max_gap_ms"] > 0
+
+
+def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_failed(tiny_model, monkeypatch):
+    # `--ladder-first`: a notebook's pause after load, in which the idle worker builds the prefill ladder.
+    import mlx_notebook
+    from benchmarks.batching import wait_for_ladder
+    from mlx_notebook.generation import warm_up
+
+    monkeypatch.setattr(warm_up, "wanted", lambda: True)  # the CUDA backend's warm-up, run on the CPU
+    monkeypatch.setattr(warm_up, "LADDER_SIZES", (256, 512))
+    monkeypatch.setattr(warm_up, "LADDER_CONTEXT", 1024)
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        wait_for_ladder(loaded, limit_s=120)
+        assert warm_up.ladder(loaded) == [] and loaded.ladder_warmed
+    finally:
+        assert worker.shutdown(timeout=60)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a layer the ladder cannot run")
+
+    monkeypatch.setattr(warm_up, "_first_layer", broken)
+    worker = mlx_notebook.Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        waited = wait_for_ladder(loaded, limit_s=120)  # the ladder gave up: no wait to the limit
+        assert warm_up.ladder(loaded) and loaded.ladder_warmed and waited < 60
+    finally:
+        assert worker.shutdown(timeout=60)
