@@ -552,7 +552,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         g.wait()
     t_first = jclock.times[joiner.id][0]  # the joiner's first token: its prefill is over, its row admitted
     steps, spans, after = [], [], []
-    admits: list[tuple[float, float, float]] = []  # the longest gap of the admit
+    admit: tuple[float, float, float] | None = None  # the admit's longest gap, (gap, from, to)
     where: dict[str, float] = {"prefill": 0.0, "admit": 0.0, "after": 0.0}
     for g in gens:
         t = clock.times[g.id]
@@ -566,8 +566,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             # order): a gap that ends within 2 ms of it, or spans it, is the admit's.
             phase = "admit" if abs(b - t_first) < 0.002 or a < t_first < b else "prefill" if b < t_first else "after"
             where[phase] = max(where[phase], b - a)
-            if phase == "admit" and b - a >= max((x for x, _, _ in admits), default=0.0):
-                admits[:] = [(b - a, a, b)]
+            if phase == "admit" and (admit is None or b - a >= admit[0]):
+                admit = (b - a, a, b)
             if phase == "after":
                 after.append(b - a)
     gaps = [gap for gap, _, _ in spans]
@@ -583,8 +583,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 continue  # the same gap of another row
             shown.append(a)
             print(f"gap {1000 * gap:.1f} ms:", " | ".join(tracer.around(a, b)), flush=True)
-        for gap, a, b in admits:  # the admit's own, longest or not
-            print(f"admit gap {1000 * gap:.1f} ms:", " | ".join(tracer.around(a, b)), flush=True)
+        if admit is not None:  # the admit's own, longest or not
+            print(f"admit gap {1000 * admit[0]:.1f} ms:", " | ".join(tracer.around(*admit[1:])), flush=True)
     return {
         "join_length": len(join_ids),
         "joiner_prefill_s": joiner.stats.ttft_s,
