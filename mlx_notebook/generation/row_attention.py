@@ -143,6 +143,32 @@ def apply(cache: list[Any], groups: list[Group] | None) -> None:
         layer.row_plan = (groups, order) if groups is not None else None
 
 
+def warm(heads: int, kv_heads: int, dim: int, dtype: Any) -> None:
+    """Run each way a batch's step is split once, on a tiny batch: the first use of its kernels is paid here.
+
+    The first split step of a process paid a one-off ~9 ms on an H100 (8
+    rows of Qwen3-8B heads: 9.83 ms, then 0.33-0.47, also at a new buffer
+    length; ``benchmarks/results/h100_probe_session40.log``): rows of one
+    padding decode as one call, so the split first comes when a prompt joins
+    them, inside the others' gap. Three rows over a buffer with room, as a
+    batch's cache hands them: groups of neighbours (a group of several rows
+    and one of a single row), a group gathered out of order, and a masked one.
+    """
+    q = mx.zeros((3, heads, 1, dim), dtype=dtype)
+    buffer = mx.zeros((3, kv_heads, 24, dim), dtype=dtype)
+    k = buffer[..., :17, :]
+    layer = type("Layer", (), {})()
+    outs = []
+    for groups in (
+        [Group((0, 1), 8, (8, 8)), Group((2,), 0, (0,))],
+        [Group((0, 2), 8, (8, 8)), Group((1,), 0, (0,))],
+        [Group((0, 1), 8, (8, 10)), Group((2,), 0, (0,))],
+    ):
+        apply([layer], groups)
+        outs.append(_grouped(q, k, k, layer, dim**-0.5, None, None))
+    mx.eval(outs)
+
+
 def _grouped(
     queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
 ) -> mx.array | None:
@@ -176,4 +202,4 @@ def _attend_group(g: Group, queries: mx.array, keys: mx.array, values: mx.array,
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep[:, None, None, :])
 
 
-__all__ = ["CALL_MS", "Group", "apply", "install", "mark", "plan", "wanted"]
+__all__ = ["CALL_MS", "Group", "apply", "install", "mark", "plan", "wanted", "warm"]

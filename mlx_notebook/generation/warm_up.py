@@ -50,7 +50,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..loading.store import LoadedModel
-from . import fused_projections, persist, skinny_matmul, small_attention
+from . import fused_projections, persist, row_attention, skinny_matmul, small_attention
 from .chunks import FIRST_PREFILL_CHUNK, builds_kernels_per_shape
 from .pieces import BuildStopped, MarkedLayers, layer_owner
 
@@ -95,6 +95,11 @@ def warm(loaded: LoadedModel) -> None:
         # others' tokens for 780 ms.
         one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
         mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
+        if row_attention.wanted() and cache and getattr(cache[0], "keys", None) is not None:
+            # A batch's split step (a prompt joining rows) pays its kernels' first use here, not in the others' gap.
+            _, kv_heads, _, dim = cache[0].keys.shape
+            heads = int(loaded.config.get("num_attention_heads") or kv_heads)
+            row_attention.warm(heads, kv_heads, dim, cache[0].keys.dtype)
         mx.synchronize()
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
