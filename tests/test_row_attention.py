@@ -104,3 +104,37 @@ def test_a_cache_without_row_pads_and_a_prefill_take_mlx_lms_call(model) -> None
     # Several query positions (a prefill chunk): the wrapper leaves it to mlx-lm's masked call.
     out = model(mx.array([[3, 4], [5, 6]], dtype=mx.uint32), cache=cache)
     assert out.shape[:2] == (2, 2)
+
+
+def test_the_warm_up_runs_every_kind_of_split_call_once(monkeypatch) -> None:
+    # The first split step of a process paid ~9 ms of first uses on an H100 (session 40), inside the
+    # others' gap when a prompt joins: the warm-up must meet each kind of call a split step makes.
+    seen = []
+    real = row_attention._attend_group
+
+    def spy(g, queries, keys, values, scale):
+        seen.append((len(g.rows) > 1, g.rows[-1] - g.rows[0] + 1 != len(g.rows), g.masked))
+        out = real(g, queries, keys, values, scale)
+        assert out.shape == (len(g.rows), queries.shape[1], 1, queries.shape[3])
+        return out
+
+    monkeypatch.setattr(row_attention, "_attend_group", spy)
+    row_attention.warm(heads=4, kv_heads=2, dim=16, dtype=mx.float16)
+    # (several rows, gathered, masked): neighbours, a single row, a gathered pair, a masked pair.
+    assert {(True, False, False), (False, False, False), (True, True, False), (True, False, True)} <= set(seen)
+
+
+def test_the_model_warm_up_warms_the_split_calls_with_the_models_heads(model, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from mlx_notebook.generation import warm_up
+
+    calls = []
+    monkeypatch.setattr(row_attention, "wanted", lambda: True)
+    monkeypatch.setattr(row_attention, "warm", lambda *args: calls.append(args))
+    monkeypatch.setattr(warm_up.small_attention, "wanted", lambda: False)
+    config = {"num_attention_heads": model.args.num_attention_heads}
+    warm_up.warm(SimpleNamespace(model=model, config=config, source=SimpleNamespace(key="tiny")))
+    kv_heads = model.args.num_key_value_heads
+    dim = model.args.hidden_size // model.args.num_attention_heads
+    assert calls == [(model.args.num_attention_heads, kv_heads, dim, mx.float32)], calls
