@@ -11,7 +11,9 @@ first prompt of a fresh process was stopped within budget + 50 ms in only
 so the worker's own thread runs this, between jobs, and only while nothing
 is queued. It also runs one fused attention: small prefill chunks go
 unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
-first long prompt. A generation submitted meanwhile waits for it (its first token
+first long prompt, and each kind of split decode call a batch makes once a prompt joins
+rows of another length (:func:`.row_attention.warm`: ~9 ms of first use on an H100, which
+the first join of a process paid in the others' gap). A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
 Next, at an idle moment of its own, each layer's q/k/v and gate/up
@@ -95,7 +97,7 @@ def warm(loaded: LoadedModel) -> None:
         # others' tokens for 780 ms.
         one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
         mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
-        if row_attention.wanted() and cache and getattr(cache[0], "keys", None) is not None:
+        if row_attention.wanted() and cache and isinstance(getattr(cache[0], "keys", None), mx.array):
             # A batch's split step (a prompt joining rows) pays its kernels' first use here, not in the others' gap.
             _, kv_heads, _, dim = cache[0].keys.shape
             heads = int(loaded.config.get("num_attention_heads") or kv_heads)
