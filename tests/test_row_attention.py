@@ -109,11 +109,12 @@ def test_a_cache_without_row_pads_and_a_prefill_take_mlx_lms_call(model) -> None
 def test_the_warm_up_runs_every_kind_of_split_call_once(monkeypatch) -> None:
     # The first split step of a process paid ~9 ms of first uses on an H100 (session 40), inside the
     # others' gap when a prompt joins: the warm-up must meet each kind of call a split step makes.
-    seen = []
+    seen, reads = [], []
     real = row_attention._attend_group
 
     def spy(g, queries, keys, values, scale):
         seen.append((len(g.rows) > 1, g.rows[-1] - g.rows[0] + 1 != len(g.rows), g.masked))
+        reads.append(keys.shape[2] - g.start)
         out = real(g, queries, keys, values, scale)
         assert out.shape == (len(g.rows), queries.shape[1], 1, queries.shape[3])
         return out
@@ -122,6 +123,8 @@ def test_the_warm_up_runs_every_kind_of_split_call_once(monkeypatch) -> None:
     row_attention.warm(heads=4, kv_heads=2, dim=16, dtype=mx.float16)
     # (several rows, gathered, masked): neighbours, a single row, a gathered pair, a masked pair.
     assert {(True, False, False), (False, False, False), (True, True, False), (True, False, True)} <= set(seen)
+    # A joined long prompt's row reads past the one-pass kernel's reach, short rows within it.
+    assert max(reads) > row_attention.VECTOR_TWO_PASS_ABOVE >= min(reads)
 
 
 def test_the_model_warm_up_warms_the_split_calls_with_the_models_heads(model, monkeypatch) -> None:

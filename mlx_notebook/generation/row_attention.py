@@ -53,6 +53,8 @@ CALL_MS = 0.03
 MASKED_MS = 0.0085
 UNMASKED_MS = 0.0006
 GATHER_MS = 0.0025
+# Keys above which MLX 0.32's CUDA backend runs a one-token query in two passes (``sdpa_vector_fallback``: kL > 1024).
+VECTOR_TWO_PASS_ABOVE = 1024
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def apply(cache: list[Any], groups: list[Group] | None) -> None:
 
 
 def warm(heads: int, kv_heads: int, dim: int, dtype: Any) -> None:
-    """Run each way a batch's step is split once, on a tiny batch: the first use of its kernels is paid here.
+    """Run each way a batch's step is split once, on a small batch: the first use of its kernels is paid here.
 
     The first split step of a process paid a one-off ~9 ms on an H100 (8
     rows of Qwen3-8B heads: 9.83 ms, then 0.33-0.47, also at a new buffer
@@ -152,11 +154,15 @@ def warm(heads: int, kv_heads: int, dim: int, dtype: Any) -> None:
     padding decode as one call, so the split first comes when a prompt joins
     them, inside the others' gap. Three rows over a buffer with room, as a
     batch's cache hands them: groups of neighbours (a group of several rows
-    and one of a single row), a group gathered out of order, and a masked one.
+    and one of a single row), a group gathered out of order, and a masked
+    one. The single row reads more than :data:`VECTOR_TWO_PASS_ABOVE`
+    positions, as a joined long prompt does: MLX's CUDA backend runs such a
+    one-token query with another pair of kernels (``sdpa_vector_2pass``),
+    which rows of short prompts never meet before a join.
     """
     q = mx.zeros((3, heads, 1, dim), dtype=dtype)
-    buffer = mx.zeros((3, kv_heads, 24, dim), dtype=dtype)
-    k = buffer[..., :17, :]
+    used = VECTOR_TWO_PASS_ABOVE + 8
+    k = mx.zeros((3, kv_heads, used + 8, dim), dtype=dtype)[..., :used, :]
     layer = type("Layer", (), {})()
     outs = []
     for groups in (
