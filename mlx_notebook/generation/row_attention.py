@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -163,7 +164,7 @@ def warm(heads: int, kv_heads: int, dim: int, dtype: Any) -> None:
     q = mx.zeros((3, heads, 1, dim), dtype=dtype)
     used = VECTOR_TWO_PASS_ABOVE + 8
     k = mx.zeros((3, kv_heads, used + 8, dim), dtype=dtype)[..., :used, :]
-    layer = type("Layer", (), {})()
+    layer = SimpleNamespace()  # a cache layer as _grouped reads it: its row_plan
     outs = []
     for groups in (
         [Group((0, 1), 8, (8, 8)), Group((2,), 0, (0,))],
