@@ -268,3 +268,31 @@ def test_a_prompts_rest_runs_padded_to_a_ladder_chunk_and_its_tokens_do_not_chan
         assert (1000, 1) in updates  # the first step wrote the last prompt token over the pad
     finally:
         assert worker.shutdown(timeout=30)
+
+
+def test_a_failing_idle_warm_up_leaves_the_worker_serving(tiny_model, monkeypatch, caplog) -> None:
+    # An error escaping the warm-up (here its kernels' step; on a device an MLX error such as
+    # the CUDA graph cache's "Cache thrashing") ended the worker's thread: every later
+    # generation stayed queued for good. Now the warm-up is given up and the prompts run.
+    tried = threading.Event()
+
+    def failing(loaded):
+        tried.set()
+        raise RuntimeError("injected: the kernels' compile failed")
+
+    monkeypatch.setattr(warm_up, "wanted", lambda: True)
+    monkeypatch.setattr(warm_up, "install_kernels", failing)
+    caplog.set_level("WARNING", logger="mlx_notebook.generation.worker")
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        assert tried.wait(DEADLINE_S), "the warm-up never reached its kernels"
+        gen = mlx_notebook.generate(PROMPT, model=tiny_model, worker=worker, max_tokens=6)
+        gen.result(timeout=DEADLINE_S)
+        assert gen.state == "done" and len(gen.tokens) == 6
+        assert worker.alive and not worker.closed
+        loaded = worker.store.loaded()[0]
+        assert loaded.warmed and loaded.kernels_installed and loaded.ladder_warmed  # not tried again
+        assert [r for r in caplog.records if "idle warm-up" in r.getMessage() and "injected" in r.getMessage()]
+    finally:
+        assert worker.shutdown(timeout=30)

@@ -18,15 +18,21 @@ from mlx_notebook import GenerationRequest, InvalidArgumentError, State, Worker
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def held_worker():
-    """A worker whose thread is busy in a call until the test releases it."""
-    worker = Worker()
+def hold(worker: Worker) -> tuple[threading.Event, threading.Thread]:
+    """Register the in-memory model, then keep ``worker``'s thread busy in a call until the event returned is set."""
     worker.call(lambda store: store.register("held-model", nn.Linear(2, 2), tokenizer=None))
     started, release = threading.Event(), threading.Event()
     caller = threading.Thread(target=worker.call, args=(lambda store: (started.set(), release.wait(30)),))
     caller.start()
     assert started.wait(30)
+    return release, caller
+
+
+@pytest.fixture
+def held_worker():
+    """A worker whose thread is busy in a call until the test releases it."""
+    worker = Worker()
+    release, caller = hold(worker)
     yield worker
     worker.cancel_all()
     release.set()
@@ -96,3 +102,38 @@ def test_wait_times_out_on_a_queued_generation(held_worker: Worker) -> None:
     assert not gen.wait(0.01)
     with pytest.raises(TimeoutError, match="still queued"):
         gen.result(timeout=0.01)
+
+
+def test_a_worker_whose_thread_fails_outside_a_job_fails_its_queue_and_says_so(monkeypatch) -> None:
+    # Before, an error outside any job (the idle warm-up's, mx.clear_cache's) ended the thread
+    # silently: the worker stayed open and every queued or later generation waited forever.
+    worker = Worker()
+    release, caller = hold(worker)
+    queued = [submit(worker), submit(worker)]
+    call_error: list[BaseException] = []
+
+    def queued_call() -> None:
+        try:
+            worker.call(lambda store: None, timeout=30)
+        except BaseException as exc:  # the test reads it
+            call_error.append(exc)
+
+    waiter = threading.Thread(target=queued_call)
+    waiter.start()
+    fault = RuntimeError("injected: the worker's loop failed")
+
+    def failing_next_job():
+        raise fault
+
+    monkeypatch.setattr(worker, "_next_job", failing_next_job)
+    release.set()
+    caller.join(30)
+    waiter.join(30)
+    for gen in queued:
+        assert gen.wait(30), "a queued generation was left waiting"
+        assert gen.state is State.FAILED and gen.error is fault
+    assert call_error == [fault]
+    assert worker.closed
+    with pytest.raises(RuntimeError, match="thread failed .*injected"):
+        submit(worker)
+    assert worker.shutdown(timeout=30) and not worker.alive

@@ -119,6 +119,7 @@ class Worker:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._died: BaseException | None = None  # what ended the thread outside any job (it fails the queue)
         self._cleanup_due = False
         self.history: list[Generation] = []
         self.stream: mx.Stream | None = None
@@ -260,6 +261,11 @@ class Worker:
         return loaded.model, loaded.tokenizer
 
     def _check_open(self) -> None:
+        if self._died is not None:
+            raise RuntimeError(
+                f"this mlx-notebook worker's thread failed ({type(self._died).__name__}: {self._died}); "
+                "create a new one (mlx_notebook.generate makes one)"
+            )
         if self._closed:
             raise RuntimeError("this mlx-notebook worker was shut down; create a new one")
 
@@ -349,7 +355,7 @@ class Worker:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`shutdown` was called (it takes no more jobs)."""
+        """Whether :meth:`shutdown` was called or the thread failed (it takes no more jobs)."""
         return self._closed
 
     @property
@@ -424,6 +430,9 @@ class Worker:
                     self._run_call(job)
                 else:
                     self._run_session(job)
+        except BaseException as exc:  # a bug outside any job: fail the queue rather than leave it waiting forever
+            log.exception("mlx-notebook worker thread failed")
+            self._fail_queue(exc)
         finally:
             # Free this thread's streams and compile cache while the GIL is
             # held: left to the thread's C++ TLS destructors, they touch Python
@@ -448,17 +457,42 @@ class Worker:
         for loaded in self.store.loaded():
             if not self._idle():
                 return
-            with mx.stream(self.stream):
-                if not loaded.warmed:
-                    loaded.warmed = True  # once, even if it fails: a real generation reports that
-                    warm_up.warm(loaded)
-                if not loaded.kernels_installed:
-                    if not self._idle():
-                        return  # a job came during the first forward: it does not wait for the compile too
-                    loaded.kernels_installed = True
-                    warm_up.install_kernels(loaded)
-                if not loaded.ladder_warmed:
-                    loaded.ladder_warmed = warm_up.warm_ladder(loaded, self._idle)
+            try:
+                with mx.stream(self.stream):
+                    if not loaded.warmed:
+                        loaded.warmed = True  # once, even if it fails: a real generation reports that
+                        warm_up.warm(loaded)
+                    if not loaded.kernels_installed:
+                        if not self._idle():
+                            return  # a job came during the first forward: it does not wait for the compile too
+                        loaded.kernels_installed = True
+                        warm_up.install_kernels(loaded)
+                    if not loaded.ladder_warmed:
+                        loaded.ladder_warmed = warm_up.warm_ladder(loaded, self._idle)
+            except Exception as exc:  # optional work: escaped, it ended the thread and every later job waited forever
+                loaded.warmed = loaded.kernels_installed = loaded.ladder_warmed = True
+                self._synchronize_quietly()
+                log.warning(
+                    "mlx-notebook: the idle warm-up of %s failed (%s: %s); its prompts pay their first uses themselves",
+                    loaded.source.key,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    def _fail_queue(self, exc: BaseException) -> None:
+        """The thread is ending on ``exc``: close the worker and fail every job still waiting with it."""
+        with self._cond:
+            self._closed = True
+            self._died = exc
+            jobs = [*self._inline, *self._queue]
+            self._inline.clear()
+            self._queue.clear()
+        for job in jobs:
+            if isinstance(job, _Call):
+                job.error = exc
+                job.done.set()
+            else:
+                self._generation_ended(job, State.FAILED, exc)
 
     def _idle(self) -> bool:
         """Nothing queued and not closing."""
