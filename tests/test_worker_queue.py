@@ -120,6 +120,8 @@ def test_a_worker_whose_thread_fails_outside_a_job_fails_its_queue_and_says_so(m
 
     waiter = threading.Thread(target=queued_call)
     waiter.start()
+    with worker._cond:  # the call is queued behind the two generations before the loop fails
+        assert worker._cond.wait_for(lambda: len(worker._queue) == 3, timeout=30)
     fault = RuntimeError("injected: the worker's loop failed")
 
     def failing_next_job():
