@@ -7,6 +7,7 @@ CUDA backend); here it is forced on the CPU to check its numbers.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -68,7 +69,13 @@ def test_the_plan_makes_one_call_per_length_where_the_mask_costs_more() -> None:
     G = row_attention.Group
     # Seven rows of one length and a joined 8k prompt: two fused calls (session 12: the masked call
     # 0.57 ms a layer, one call per row 0.36-0.45).
-    assert row_attention.plan([7000] * 7 + [0], 8300) == [G((7,), 0, (0,)), G(tuple(range(7)), 7000, (7000,) * 7)]
+    assert row_attention.plan([7000] * 7 + [0], 8300) == [G(tuple(range(7)), 7000, (7000,) * 7), G((7,), 0, (0,))]
+    # ... in the rows' order, so the step's outputs need no reordering (no gather after the calls).
+    cache = [SimpleNamespace(_idx=8299) for _ in range(2)]
+    row_attention.mark(cache, [7000] * 7 + [0])
+    assert all(layer.row_plan[1] is None for layer in cache)
+    row_attention.mark(cache, [0] + [7000] * 7)  # the long row first: the same
+    assert cache[0].row_plan[1] is None and [g.rows for g in cache[0].row_plan[0]] == [(0,), tuple(range(1, 8))]
     # Eight lengths within 1k positions: one masked call, mlx-lm's (None); beyond ~4k, a call per row
     # or per close lengths (session 12's crossover: masked 0.30 against 0.26 ms per row at 4k).
     spread = [10, 20, 30, 40, 50, 60, 70, 0]
@@ -128,7 +135,6 @@ def test_the_warm_up_runs_every_kind_of_split_call_once(monkeypatch) -> None:
 
 
 def test_the_model_warm_up_warms_the_split_calls_with_the_models_heads(model, monkeypatch) -> None:
-    from types import SimpleNamespace
 
     from mlx_notebook.generation import warm_up
 

@@ -115,7 +115,10 @@ def _plan(pads: tuple[int, ...], positions: int) -> list[Group] | None:
         end = cut[end]
     if len(groups) == 1 and groups[0].masked:
         return None
-    return groups[::-1]
+    # In the batch's order, not the pads': where every group is a run of neighbours (seven rows and the
+    # prompt that joined them at the end), their outputs concatenate in the rows' order, with no gather
+    # after them in each layer (the pads' order put the joined row first: 36 gathers a step on Qwen3-8B).
+    return sorted(groups, key=lambda g: g.rows[0])
 
 
 def _cost(rows: list[int], pads: tuple[int, ...], positions: int) -> float:
