@@ -530,9 +530,10 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     """Others' longest inter-token gap while a long prompt prefills and joins, and where it fell.
 
     The joiner decodes ``after_tokens`` tokens with the others, so the window
-    ends with steps at the joined size: every row then attends over the
-    joiner's length (one rectangular cache), so those steps are longer than
-    the ones before the join, and "budget + 2 steps" is given for both.
+    ends with steps at the joined size. Those are longer than the ones before
+    the join (on the CPU every row attends over the joiner's length; on CUDA
+    the rows attend in groups of one padding, yet session 42's H200 paid
+    1.0-2.1x), so "budget + 2 steps" is given for both.
     """
     gens = [
         mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
