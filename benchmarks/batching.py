@@ -553,12 +553,14 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         g.wait()
     t_first = jclock.times[joiner.id][0]  # the joiner's first token: its prefill is over, its row admitted
     steps, spans, after = [], [], []
+    by_index: list[list[float]] = []  # the others' gaps after the admit, by their order: a cost that fades, or stays
     admit: tuple[float, float, float] | None = None  # the admit's longest gap, (gap, from, to)
     where: dict[str, float] = {"prefill": 0.0, "admit": 0.0, "after": 0.0}
     for g in gens:
         t = clock.times[g.id]
         before = [b - a for a, b in zip(t, t[1:]) if b < t_join]
         steps += before[-8:]
+        k = 0
         for a, b in zip(t, t[1:]):
             if b < t_join or a > t_end:
                 continue
@@ -571,6 +573,10 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 admit = (b - a, a, b)
             if phase == "after":
                 after.append(b - a)
+                if k == len(by_index):
+                    by_index.append([])
+                by_index[k].append(b - a)
+                k += 1
     gaps = [gap for gap, _, _ in spans]
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
@@ -595,6 +601,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         "others_max_gap_by_phase_ms": {k: round(1000 * v, 2) for k, v in where.items()},
         "others_step_ms": 1000 * step,
         "others_step_after_join_ms": 1000 * step_after,
+        "others_steps_after_join_ms": [round(1000 * statistics.median(gaps), 2) for gaps in by_index],
         "budget_plus_2_steps_ms": 1000 * (budget + 2 * step),
         "budget_plus_2_steps_after_ms": 1000 * (budget + 2 * step_after),
         "turns": turns.summary(),
@@ -752,6 +759,9 @@ def main() -> None:
     ap.add_argument("--stop-rounds", type=int, default=20)
     ap.add_argument("--join-length", type=int, default=2048)
     ap.add_argument("--join-stop-rounds", type=int, default=6)
+    ap.add_argument(
+        "--join-after-tokens", type=int, default=12, help="tokens the joiner decodes with the others (the after window)"
+    )
     ap.add_argument("--prefix-length", type=int, default=4000)
     ap.add_argument(
         "--skip",
@@ -898,6 +908,7 @@ def main() -> None:
                 prompt_ids(args.join_length, vocab, seed=seed),
                 args.budget,
                 trace=args.trace,
+                after_tokens=args.join_after_tokens,
             )
             result[key]["ladder_chunks_left"] = left
             print(json.dumps(result[key]), flush=True)

@@ -115,6 +115,9 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
     assert turns["side_turns"] >= 2 and turns["worker_turns"] >= 2, turns
     assert 0 < turns["worker_wait_max_ms"] <= turns["worker_wait_ms"], turns
     assert result["others_max_gap_ms"] > 0
+    # The others' steps after the admit, in order (a cost of the joined step that stays, or one that fades).
+    after = result["others_steps_after_join_ms"]
+    assert 1 <= len(after) <= 6 and all(ms > 0 for ms in after), after
 
 
 def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_failed(tiny_model, monkeypatch):
