@@ -135,7 +135,6 @@ def test_the_warm_up_runs_every_kind_of_split_call_once(monkeypatch) -> None:
 
 
 def test_the_model_warm_up_warms_the_split_calls_with_the_models_heads(model, monkeypatch) -> None:
-
     from mlx_notebook.generation import warm_up
 
     calls = []
