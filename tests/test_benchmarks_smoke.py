@@ -118,6 +118,8 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
     # The others' steps after the admit, in order (a cost of the joined step that stays, or one that fades).
     after = result["others_steps_after_join_ms"]
     assert 1 <= len(after) <= 6 and all(ms > 0 for ms in after), after
+    # The gap over the joiner's leave is read apart from the join's: every other row had a token after it.
+    assert result["others_leave_gap_ms"] > 0, result
 
 
 def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_failed(tiny_model, monkeypatch):

@@ -171,18 +171,18 @@ def _joined(
 def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
     """Keep only rows ``keep`` (in that order) in place; return their paddings.
 
-    Padding every kept row shares is cut off the front, as ``BatchKVCache.filter`` does.
+    Padding every kept row shares is cut off the front, as ``BatchKVCache.filter`` does,
+    but before the rows are gathered, so that only the positions kept are copied: when
+    an 8k prompt leaves seven rows of ~600, gathering first (mlx-lm's order) copied
+    every layer's whole capacity, 7.6 GB on Llama-3-8B.
     """
     index = mx.array(keep)
     new_pads = [pads[i] for i in keep]
     shift = min(new_pads)
     for layer in batch:
         if layer.keys is not None:
-            layer.keys = layer.keys[index]
-            layer.values = layer.values[index]
-            if shift:
-                layer.keys = layer.keys[..., shift:, :]
-                layer.values = layer.values[..., shift:, :]
+            layer.keys = layer.keys[..., shift:, :][index]
+            layer.values = layer.values[..., shift:, :][index]
         layer.offset = layer.offset[index]
         layer.left_padding = layer.left_padding[index] - shift
         layer._idx -= shift
