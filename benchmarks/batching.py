@@ -394,6 +394,9 @@ class Trace:
         self.wrap(decode_batch.DecodeBatch, "_forward", "fwd")
         self.wrap(decode_batch.DecodeBatch, "_queue", "queue")
         self.wrap(kv_capacity, "make_room", "room")
+        self.wrap(decode_batch.DecodeBatch, "_leave", "leave")  # a row that left for good (the joiner's end)
+        self.wrap(batch_cache, "extract", "extract")
+        self.wrap(batch_cache, "keep_rows", "keep")
         if os.environ.get("TRACE_ADMIT"):
             # Where an admit's and the first joined step's host time goes (session 36: 24 ms in the admit's queue).
             self.wrap(batch_cache.Reserve, "take", "take?")
@@ -566,6 +569,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     steps, spans, after = [], [], []
     by_index: list[list[float]] = []  # the others' gaps after the admit, by their order: a cost that fades, or stays
     admit: tuple[float, float, float] | None = None  # the admit's longest gap, (gap, from, to)
+    leave: tuple[float, float, float] | None = None  # the longest over the joiner's leave
     where: dict[str, float] = {"prefill": 0.0, "admit": 0.0, "after": 0.0, "leave": 0.0}
     for g in gens:
         t = clock.times[g.id]
@@ -577,6 +581,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 continue
             if b > t_last:  # over the joiner's leave
                 where["leave"] = max(where["leave"], b - a)
+                if leave is None or b - a >= leave[0]:
+                    leave = (b - a, a, b)
                 continue
             spans.append((b - a, a, b))
             # The admit step's tokens are reported with the joiner's first, just before or after it (the rows'
@@ -606,6 +612,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             print(f"gap {1000 * gap:.1f} ms:", " | ".join(tracer.around(a, b)), flush=True)
         if admit is not None:  # the admit's own, longest or not
             print(f"admit gap {1000 * admit[0]:.1f} ms:", " | ".join(tracer.around(*admit[1:])), flush=True)
+        if leave is not None:
+            print(f"leave gap {1000 * leave[0]:.1f} ms:", " | ".join(tracer.around(*leave[1:])), flush=True)
     return {
         "join_length": len(join_ids),
         "joiner_prefill_s": joiner.stats.ttft_s,

@@ -77,3 +77,17 @@ def test_keep_rows_gives_mlx_lms_rows_and_copies_only_the_positions_kept() -> No
         assert a.shape == b.shape
         for row, pad in enumerate(new_pads):
             assert mx.array_equal(a[row, :, pad:], b[row, :, pad:])
+
+
+@pytest.mark.parametrize("keep", [[1, 2], [0, 2, 4], [0, 1, 3, 4], [0, 2, 3, 5], [1, 3, 5], [5, 0, 1]])
+def test_keep_rows_keeps_any_rows_in_their_order(keep: list[int]) -> None:
+    # Runs of neighbours are copied as slices, many runs as a gather: either way the rows asked for.
+    sizes = [30, 7, 12, 900, 3, 45]
+    ours, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
+    before = [(ours[0].keys[i, :, pads[i] : ours[0]._idx], ours[0].values[i, :, pads[i] : ours[0]._idx]) for i in keep]
+    new_pads = batch_cache.keep_rows(ours, pads, keep)
+    layer = ours[0]
+    assert layer.keys.shape[0] == len(keep) and layer.offset.tolist() == [sizes[i] for i in keep]
+    for row, (pad, (k, v)) in enumerate(zip(new_pads, before)):
+        assert mx.array_equal(layer.keys[row, :, pad : layer._idx], k)
+        assert mx.array_equal(layer.values[row, :, pad : layer._idx], v)

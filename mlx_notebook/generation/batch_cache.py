@@ -172,21 +172,49 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
     """Keep only rows ``keep`` (in that order) in place; return their paddings.
 
     Padding every kept row shares is cut off the front, as ``BatchKVCache.filter`` does,
-    but before the rows are gathered, so that only the positions kept are copied: when
-    an 8k prompt leaves seven rows of ~600, gathering first (mlx-lm's order) copied
-    every layer's whole capacity, 7.6 GB on Llama-3-8B.
+    but before the rows are copied, so that only the positions kept are: when an 8k
+    prompt left seven rows of ~600 on an H100 (Llama-3-8B), gathering the rows first
+    (mlx-lm's order) copied every layer's whole capacity, 7.6 GB in 36 ms. The rows go
+    as runs of neighbours, a copy each (:func:`_rows`).
     """
     index = mx.array(keep)
     new_pads = [pads[i] for i in keep]
     shift = min(new_pads)
+    runs = _runs(keep)
     for layer in batch:
         if layer.keys is not None:
-            layer.keys = layer.keys[..., shift:, :][index]
-            layer.values = layer.values[..., shift:, :][index]
+            layer.keys = _rows(layer.keys, runs, index, shift)
+            layer.values = _rows(layer.values, runs, index, shift)
         layer.offset = layer.offset[index]
         layer.left_padding = layer.left_padding[index] - shift
         layer._idx -= shift
     return [p - shift for p in new_pads]
+
+
+def _runs(keep: list[int]) -> list[tuple[int, int]]:
+    """``keep`` as ``[start, end)`` runs of consecutive rows."""
+    runs: list[tuple[int, int]] = []
+    for i in keep:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _rows(a: mx.array, runs: list[tuple[int, int]], index: mx.array, shift: int) -> mx.array:
+    """``a``'s rows ``runs`` (also given as ``index``) from position ``shift`` on, a contiguous copy.
+
+    A copy of a slice per run, where up to three runs: an H100 copied seven rows of
+    Llama-3-8B's 32 layers in 1.1-1.8 ms that way (one or two runs), and in 4.3-4.6 ms
+    as a gather. Past three runs, the kernel launches of many slices cost more than one gather.
+    """
+    if len(runs) == 1:
+        start, end = runs[0]
+        return mx.contiguous(a[start:end, :, shift:, :])
+    if len(runs) <= 3:
+        return mx.concatenate([a[start:end, :, shift:, :] for start, end in runs], axis=0)
+    return a[..., shift:, :][index]
 
 
 LayerState = tuple[mx.array | None, mx.array | None, int]
