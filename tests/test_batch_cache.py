@@ -52,7 +52,6 @@ def test_extend_gives_mlx_lms_rows_with_room_for_the_next_token(sizes: list[int]
 def test_keep_rows_gives_mlx_lms_rows_and_copies_only_the_positions_kept() -> None:
     # A long prompt leaving short rows: gathering the rows first (mlx-lm's order) copied every
     # layer's whole capacity, 7.6 GB on Llama-3-8B when an 8k prompt left seven rows of ~600.
-    from mlx_lm.models.cache import BatchKVCache
 
     sizes = [40, 4000, 60, 25]
     ours, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
