@@ -78,9 +78,9 @@ def test_keep_rows_gives_mlx_lms_rows_and_copies_only_the_positions_kept() -> No
             assert mx.array_equal(a[row, :, pad:], b[row, :, pad:])
 
 
-@pytest.mark.parametrize("keep", [[1, 2], [0, 2, 4], [0, 1, 3, 4], [0, 2, 3, 5], [1, 3, 5], [5, 0, 1]])
+@pytest.mark.parametrize("keep", [[1, 2], [0, 2, 4], [0, 1, 3, 4], [0, 2, 3, 5], [1, 3, 5], [5, 0, 1], [5, 3, 1, 0]])
 def test_keep_rows_keeps_any_rows_in_their_order(keep: list[int]) -> None:
-    # Runs of neighbours are copied as slices, many runs as a gather: either way the rows asked for.
+    # Runs of neighbours are copied as slices, more than three runs as a gather: either way the rows asked for.
     sizes = [30, 7, 12, 900, 3, 45]
     ours, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
     before = [(ours[0].keys[i, :, pads[i] : ours[0]._idx], ours[0].values[i, :, pads[i] : ours[0]._idx]) for i in keep]
@@ -90,3 +90,16 @@ def test_keep_rows_keeps_any_rows_in_their_order(keep: list[int]) -> None:
     for row, (pad, (k, v)) in enumerate(zip(new_pads, before)):
         assert mx.array_equal(layer.keys[row, :, pad : layer._idx], k)
         assert mx.array_equal(layer.values[row, :, pad : layer._idx], v)
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 2], [3, 4], [0, 2], [4, 0, 1], [0, 2, 4, 6], [6, 5, 4, 3]])
+def test_take_rows_gives_the_rows_asked_for_in_their_order(keep: list[int]) -> None:
+    a = mx.arange(7 * 3, dtype=mx.uint32).reshape(7, 3)
+    assert batch_cache.take_rows(a, keep).tolist() == [a[i].tolist() for i in keep]
+    assert batch_cache.take_rows(mx.arange(7), keep).tolist() == keep
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_the_leave_warm_up_runs_on_a_models_cache_shape(dtype) -> None:
+    # The idle warm-up (CUDA) runs it once per model: it must not fail for any cache dtype a model has.
+    batch_cache.warm(2, 16, dtype)

@@ -174,47 +174,42 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
     Padding every kept row shares is cut off the front, as ``BatchKVCache.filter`` does,
     but before the rows are copied, so that only the positions kept are: when an 8k
     prompt left seven rows of ~600 on an H100 (Llama-3-8B), gathering the rows first
-    (mlx-lm's order) copied every layer's whole capacity, 7.6 GB in 36 ms. The rows go
-    as runs of neighbours, a copy each (:func:`_rows`).
+    (mlx-lm's order) copied every layer's whole capacity, 7.6 GB in 36 ms; cut first,
+    a copy per run of neighbours took 1.1-1.8 ms (:func:`take_rows`).
     """
-    index = mx.array(keep)
     new_pads = [pads[i] for i in keep]
     shift = min(new_pads)
-    runs = _runs(keep)
     for layer in batch:
         if layer.keys is not None:
-            layer.keys = _rows(layer.keys, runs, index, shift)
-            layer.values = _rows(layer.values, runs, index, shift)
-        layer.offset = layer.offset[index]
-        layer.left_padding = layer.left_padding[index] - shift
+            layer.keys = mx.contiguous(take_rows(layer.keys[..., shift:, :], keep))
+            layer.values = mx.contiguous(take_rows(layer.values[..., shift:, :], keep))
+        layer.offset = take_rows(layer.offset, keep)
+        layer.left_padding = take_rows(layer.left_padding, keep) - shift
         layer._idx -= shift
     return [p - shift for p in new_pads]
 
 
-def _runs(keep: list[int]) -> list[tuple[int, int]]:
-    """``keep`` as ``[start, end)`` runs of consecutive rows."""
+def take_rows(a: mx.array, keep: list[int]) -> mx.array:
+    """``a``'s rows ``keep`` (its first axis), in that order: a slice per run of neighbours, a gather past three runs.
+
+    A row's leave keeps the others (their caches, offsets, next tokens): MLX's
+    CUDA backend compiles a gather with NVRTC at its first use for each dtype,
+    once per machine, 2.1-2.2 s (an H100 with its PTX cache empty; session 43),
+    and a machine's first leave of a row waited for it in the next step's
+    queue. A run of neighbours is a view, a few runs one concatenate: the
+    usual leave, one row out of a batch, is one or two runs.
+    """
     runs: list[tuple[int, int]] = []
     for i in keep:
         if runs and runs[-1][1] == i:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
-    return runs
-
-
-def _rows(a: mx.array, runs: list[tuple[int, int]], index: mx.array, shift: int) -> mx.array:
-    """``a``'s rows ``runs`` (also given as ``index``) from position ``shift`` on, a contiguous copy.
-
-    A copy of a slice per run, where up to three runs: an H100 copied seven rows of
-    Llama-3-8B's 32 layers in 1.1-1.8 ms that way (one or two runs), and in 4.3-4.6 ms
-    as a gather. Past three runs, the kernel launches of many slices cost more than one gather.
-    """
     if len(runs) == 1:
-        start, end = runs[0]
-        return mx.contiguous(a[start:end, :, shift:, :])
+        return a[runs[0][0] : runs[0][1]]
     if len(runs) <= 3:
-        return mx.concatenate([a[start:end, :, shift:, :] for start, end in runs], axis=0)
-    return a[..., shift:, :][index]
+        return mx.concatenate([a[start:end] for start, end in runs], axis=0)
+    return a[mx.array(keep)]
 
 
 LayerState = tuple[mx.array | None, mx.array | None, int]
@@ -257,9 +252,51 @@ def extract(batch: Cache, pads: list[int], row: int, state: list[LayerState] | N
     return out
 
 
+def warm(kv_heads: int, dim: int, dtype: mx.Dtype) -> None:
+    """Run a row's leave once on a tiny batch of the model's cache shape: the first use of its kernels is paid here.
+
+    With MLX's PTX cache empty (a machine's first process), an H100 paid 86-95 ms
+    for a row's first copy out (:func:`extract`), 56-63 ms for a first
+    concatenate, and 2.1-2.2 s for a first gather of a dtype; an 8k prompt's
+    leave then held the others' next token 2.1 s. Tiny arrays pay them as big
+    ones do (the kernels are built per dtype and layout, not per size).
+    Seven rows, as a batch's cache hands them: one leaving from the end (one run
+    kept), then one from the middle (two runs), then every other one (a gather);
+    and the next tokens cut alike.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    singles = []
+    for n in range(1, 8):
+        single = KVCache()
+        k = mx.zeros((1, kv_heads, n, dim), dtype=dtype)
+        single.update_and_fetch(k, k)
+        singles.append([single])
+    out: list[mx.array] = []
+    tokens = mx.zeros((7,), dtype=mx.uint32)
+    for keep in ([0, 1, 2, 3, 4, 5], [0, 1, 2, 4, 5], [0, 2, 4, 6]):
+        batch, pads = merge(singles)
+        out += state_arrays(extract(batch, pads, 3))
+        keep_rows(batch, pads, keep)
+        out += [batch[0].keys, batch[0].values, batch[0].offset, batch[0].left_padding, take_rows(tokens, keep)]
+    mx.eval(out)
+
+
 def state_arrays(cache: Cache) -> list[mx.array]:
     """The arrays holding ``cache``'s keys and values (to evaluate them)."""
     return [a for layer in cache if layer.keys is not None for a in (layer.keys, layer.values)]
 
 
-__all__ = ["Reserve", "batchable", "extend", "extract", "keep_rows", "length", "merge", "snapshot", "state_arrays"]
+__all__ = [
+    "Reserve",
+    "batchable",
+    "extend",
+    "extract",
+    "keep_rows",
+    "length",
+    "merge",
+    "snapshot",
+    "state_arrays",
+    "take_rows",
+    "warm",
+]

@@ -183,7 +183,7 @@ class _Step:
     def rows(self, keep: list[int]) -> _Step:
         if len(keep) == len(self.logprobs):
             return self
-        return _Step(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep], self.groups)
+        return _Step(batch_cache.take_rows(self.tokens, keep), [self.logprobs[i] for i in keep], self.groups)
 
 
 class DecodeBatch:
@@ -663,7 +663,7 @@ class DecodeBatch:
                 if nxt is not None:
                     nxt = nxt.rows(keep)
                 if ahead is not None and len(keep) < ahead.shape[0]:
-                    ahead = ahead[mx.array(keep)]
+                    ahead = batch_cache.take_rows(ahead, keep)
                 tokens = [tokens[i] for i in keep]
             else:
                 self._cache, self._pads, self.rows = [], [], []
