@@ -14,7 +14,8 @@ unfused (:mod:`.small_attention`), which would leave cuDNN's start to the
 first long prompt, and each kind of split decode call a batch makes once a prompt joins
 rows of another length (:func:`.row_attention.warm`: ~9 ms of first use on an H100, which
 the first join of a process paid in the others' gap), and the cache edits of a row's leave
-(:func:`.batch_cache.warm`: a machine's first leave of an 8k prompt held the others 2.1 s). A generation submitted meanwhile waits for it (its first token
+(:func:`.batch_cache.warm`: a machine's first leave of an 8k prompt held the others 2.1 s).
+A generation submitted meanwhile waits for it (its first token
 no later than it would have been, since it would pay the same) and is
 stopped at once while it waits (a queued generation's stop is immediate).
 Next, at an idle moment of its own, each layer's q/k/v and gate/up
@@ -98,15 +99,15 @@ def warm(loaded: LoadedModel) -> None:
         # others' tokens for 780 ms.
         one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
         mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
-        if row_attention.wanted() and cache and isinstance(getattr(cache[0], "keys", None), mx.array):
-            # A batch's split step (a prompt joining rows) pays its kernels' first use here, not in the others' gap.
-            _, kv_heads, _, dim = cache[0].keys.shape
-            heads = int(loaded.config.get("num_attention_heads") or kv_heads)
-            row_attention.warm(heads, kv_heads, dim, cache[0].keys.dtype)
         if cache and isinstance(getattr(cache[0], "keys", None), mx.array):
-            # A row's leave (the others' caches kept) pays its kernels' first use here, not in the others' gap.
             _, kv_heads, _, dim = cache[0].keys.shape
-            batch_cache.warm(kv_heads, dim, cache[0].keys.dtype)
+            dtype = cache[0].keys.dtype
+            if row_attention.wanted():
+                # A batch's split step (a prompt joining rows) pays its kernels' first use here, not in the others' gap.
+                heads = int(loaded.config.get("num_attention_heads") or kv_heads)
+                row_attention.warm(heads, kv_heads, dim, dtype)
+            # So does a row's leave (the others' caches kept).
+            batch_cache.warm(kv_heads, dim, dtype)
         mx.synchronize()
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
