@@ -116,10 +116,10 @@ def test_a_prompt_joins_while_the_batchs_step_runs_and_every_row_keeps_its_solo_
     ahead: list[int] = []
     admit = DecodeBatch._admit
 
-    def spy(self, queue=True):
+    def spy(self):
         if self._y is not None and self.ready:
             ahead.append(len(self.rows))
-        return admit(self, queue)
+        admit(self)
 
     monkeypatch.setattr(DecodeBatch, "_admit", spy)
     sampling = {"temperature": 0.8, "seed": seed} if seed is not None else {}
@@ -149,15 +149,14 @@ def test_a_row_paused_or_stopped_right_after_it_joined_ahead_leaves_every_row_ex
     hit: list = []
     admit = DecodeBatch._admit
 
-    def spy(self, queue=True):
+    def spy(self):
         ahead, joining = self._y is not None and bool(self.ready), list(self.ready)
-        merged = admit(self, queue)
+        admit(self)
         if ahead and not hit:
             for row in joining:
                 if row in self.rows:
                     hit.append(row)
                     getattr(row.pace.token, action)()
-        return merged
 
     monkeypatch.setattr(DecodeBatch, "_admit", spy)
     sampling = {"temperature": 0.8, "seed": 3}

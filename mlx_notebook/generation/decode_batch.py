@@ -438,11 +438,8 @@ class DecodeBatch:
         queued = False
         inputs = y.tokens
         reading = len(self.rows)  # the rows whose tokens ``y`` makes
-        merged: list[mx.array] = []  # the joined cache's arrays, queued once the first joined step is built
         if any(continuing) and self.ready and self._admits_ahead():
-            merged = self._admit(
-                queue=False
-            )  # the rows join now, while ``y`` runs: the first joined step is built ahead too
+            self._admit()  # the rows join now, while ``y`` runs: the first joined step is built ahead too
             joined = [r.next_token for r in self.rows[reading:]]
             if joined:
                 inputs = mx.concatenate([y.tokens, mx.array(joined, dtype=y.tokens.dtype)])
@@ -467,14 +464,6 @@ class DecodeBatch:
                         mx.async_eval(y.groups[1])
                     beside = y
                 nxt = self._forward(inputs, stoppable=True, beside=beside)
-                if merged:
-                    # Queued after the build, not before it: queuing waits while MLX has more than 10 commits in
-                    # flight (``MAX_ACTIVE_TASKS``), and ``y``'s are many (a commit per 1,000 MB of inputs, the
-                    # weights and KV buffers counted). Queued first, the copy held the host 12 ms (H100, Llama-3-8B
-                    # shape, 7 rows joined by an 8k prompt) and the build came after, with the device idle.
-                    with self._released():
-                        mx.async_eval(merged)
-                    merged = []
                 if nxt is None:
                     pass  # every row stopped while it was built: y is abandoned below
                 elif (
@@ -491,9 +480,6 @@ class DecodeBatch:
                     # Its first layers behind ``y``: the device has work while the host wakes and reads.
                     with self._released():
                         mx.async_eval(nxt.lead)
-        if merged:  # no step was built ahead (rows became ready meanwhile)
-            with self._released():
-                mx.async_eval(merged)
         with self._released():
             # Releases the GIL too: a stop asked now is reported on its own thread.
             whole = self._evaluate(y)
@@ -855,15 +841,14 @@ class DecodeBatch:
             return False
         return not any(r.matcher is not None or r.sample.processors for r in self.rows + self.ready)
 
-    def _admit(self, queue: bool = True) -> list[mx.array]:
+    def _admit(self) -> None:
         """Merge the ready rows' caches into the batch, between steps or while one runs (:meth:`_admits_ahead`).
 
         A step in flight wrote its position into the rows' caches (lazily): the
-        merge copies them with it. ``queue``: queue the copy here; otherwise
-        the caller does, and gets the merged arrays (empty: nothing to queue).
+        merge copies them with it.
         """
         if not self.ready:
-            return []
+            return
         joining, self.ready = self.ready, []
         reserve = joining[0].reserve if len(joining) == 1 else None
         for row in joining:
@@ -881,7 +866,7 @@ class DecodeBatch:
                 row.sink.set_state(State.PAUSED)
                 self.parked.append(row)
         if not joining:
-            return []
+            return
         self.interrupted()  # the next step's interval holds the merge, and a step not built ahead
         if self.rows or len(joining) > 1:
             for row in joining:
@@ -898,18 +883,12 @@ class DecodeBatch:
                 self._cache, self._pads = batch_cache.merge([self._cache])
             other, other_pads = batch_cache.merge(caches)  # type: ignore[arg-type]
             self._pads = batch_cache.extend(self._cache, self._pads, other, other_pads, reserve)
-            # The rows' copy into the joined buffers runs on the device, not in the next step's encoding
-            # (H200, Qwen3-8B shape, 7 rows joined by an 8k prompt: the copy 6-24 ms, the build 9-13 ms,
-            # both in the others' gap; benchmarks/results/h200_admit_session32.log).
-            merged = [a for layer in self._cache for a in (layer.keys, layer.values) if a is not None]
-            self.rows = self.rows + joining
-            if not queue:
-                return merged
+            # The rows' copy into the joined buffers runs while the host builds the first joined step, not
+            # after it (H200, Qwen3-8B shape, 7 rows joined by an 8k prompt: the copy 6-24 ms, the build
+            # 9-13 ms, both in the others' gap; benchmarks/results/h200_admit_session32.log).
             with self._released():
-                mx.async_eval(merged)
-            return []
+                mx.async_eval([a for layer in self._cache for a in (layer.keys, layer.values) if a is not None])
         self.rows = self.rows + joining
-        return []
 
     # -- the model -------------------------------------------------------------------
 
