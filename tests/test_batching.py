@@ -714,7 +714,7 @@ def test_the_default_batches_on_the_cpu_too(tiny_model, monkeypatch):
 
 
 def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_model, solo, monkeypatch):
-    """The decode step's attention in groups of rows (CUDA's path, forced here) leaves every row's tokens as they were.
+    """The decode step's attention in groups of rows (the CPU's and CUDA's path) leaves every row's tokens as they were.
 
     The mask made dear, so every plan splits the rows by padding: two rows of
     each prompt make groups of two, the four lengths four calls.
@@ -726,7 +726,9 @@ def test_rows_attended_in_groups_of_one_padding_give_their_solo_tokens(tiny_mode
     # The route is installed module-wide: put mlx-lm's function back after the test.
     monkeypatch.setattr(llama, attention_patch.NAME, getattr(llama, attention_patch.NAME))
     monkeypatch.setattr(row_attention, "wanted", lambda: True)
-    monkeypatch.setattr(row_attention, "MASKED_MS", 1.0)
+    monkeypatch.setattr(
+        row_attention, "costs", lambda: row_attention.Costs(call=0.03, masked=1.0, unmasked=0.0006, gather=0.0025)
+    )
     row_attention._plan.cache_clear()
     plans: list = []
     apply = row_attention.apply

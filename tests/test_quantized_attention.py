@@ -200,6 +200,8 @@ def test_unpatched_gives_mlx_lms_own_function_back_for_a_while(model, restored) 
     """Benchmarks run mlx-lm's stream_generate on the same model: the module-wide routes must step aside."""
     import mlx_lm.models.base as base
 
+    # A batch of an earlier test may have routed the module already (routes are module-wide; on the CPU too).
+    attention_patch.unwrap(model, base.scaled_dot_product_attention)
     bare = _current(model)
     assert row_attention.install(model) and quantized_attention.install(model)
     routed = _current(model)

@@ -65,12 +65,14 @@ def test_groups_of_rows_equal_the_masked_step(model) -> None:
         _same_as_masked(model, lengths, lambda pads, k=k: plans(pads)[k])
 
 
-def test_the_plan_makes_one_call_per_length_where_the_mask_costs_more() -> None:
+def test_the_plan_makes_one_call_per_length_where_the_mask_costs_more(monkeypatch) -> None:
     G = row_attention.Group
+    CUDA = row_attention.CUDA_COSTS
     # Seven rows of one length and a joined 8k prompt: two fused calls (session 12: the masked call
     # 0.57 ms a layer, one call per row 0.36-0.45).
-    assert row_attention.plan([7000] * 7 + [0], 8300) == [G(tuple(range(7)), 7000, (7000,) * 7), G((7,), 0, (0,))]
+    assert row_attention.plan([7000] * 7 + [0], 8300, CUDA) == [G(tuple(range(7)), 7000, (7000,) * 7), G((7,), 0, (0,))]
     # ... in the rows' order, so the step's outputs need no reordering (no gather after the calls).
+    monkeypatch.setattr(row_attention, "costs", lambda: CUDA)
     cache = [SimpleNamespace(_idx=8299) for _ in range(2)]
     row_attention.mark(cache, [7000] * 7 + [0])
     assert all(layer.row_plan[1] is None for layer in cache)
@@ -79,16 +81,29 @@ def test_the_plan_makes_one_call_per_length_where_the_mask_costs_more() -> None:
     # Eight lengths within 1k positions: one masked call, mlx-lm's (None); beyond ~4k, a call per row
     # or per close lengths (session 12's crossover: masked 0.30 against 0.26 ms per row at 4k).
     spread = [10, 20, 30, 40, 50, 60, 70, 0]
-    assert row_attention.plan(spread, 1000) is None
+    assert row_attention.plan(spread, 1000, CUDA) is None
     far = [0, 1000, 2000, 3000, 4000, 5000, 6000, 7000]
-    assert len(row_attention.plan(far, 8200)) >= 4
+    assert len(row_attention.plan(far, 8200, CUDA)) >= 4
     # No padding: one fused call for all.
-    assert row_attention.plan([0, 0, 0], 300) == [G((0, 1, 2), 0, (0, 0, 0))]
+    assert row_attention.plan([0, 0, 0], 300, CUDA) == [G((0, 1, 2), 0, (0, 0, 0))]
     # Every row exactly once.
     for pads, positions in [(far, 8200), ([5, 0, 5, 0], 6000), ([300, 800, 1200, 0] * 4, 4300)]:
-        groups = row_attention.plan(pads, positions)
+        groups = row_attention.plan(pads, positions, CUDA)
         assert sorted(i for g in groups for i in g.rows) == list(range(len(pads)))
         assert all(g.start == min(pads[i] for i in g.rows) for g in groups)
+
+
+def test_on_the_cpu_the_plan_splits_a_joined_long_prompt_from_short_rows_and_keeps_close_lengths_together() -> None:
+    # MLX's CPU attention reads every position a call is given, masked or not: a joined 3,000-token prompt
+    # and three rows of 64 stepped in 158-164 ms split, 249-262 ms as one masked call (the default model).
+    G = row_attention.Group
+    CPU = row_attention.CPU_COSTS
+    assert row_attention.plan([2950] * 3 + [0], 3100, CPU) == [G((0, 1, 2), 2950, (2950,) * 3), G((3,), 0, (0,))]
+    # Four chat prompts of 20-60 tokens: one masked call (a call costs more than the padding it would skip).
+    assert row_attention.plan([40, 0, 25, 10], 120, CPU) is None
+    # Rows that are not neighbours are not gathered for a small saving.
+    groups = row_attention.plan([0, 900, 0, 900], 1200, CPU)
+    assert groups is None or all(max(g.rows) - min(g.rows) + 1 == len(g.rows) for g in groups)
 
 
 def _same_as_masked(model, lengths: list[int], plan_for) -> None:

@@ -20,8 +20,14 @@ call ~0.0085 ms per row and 1,000 positions on top, an unmasked one
 ~0.0006. Seven rows of one length and a joined 8k prompt take two fused
 calls (~0.07 ms a layer) where one call per row took 0.36-0.45 ms and the
 masked call 0.57; rows of many lengths under ~4k positions stay one masked
-call, as before. Rows of one length (no padding) are one fused call. Only
-on the CUDA backend: Metal's fused kernel takes the mask itself.
+call, as before. Rows of one length (no padding) are one fused call.
+
+On the CPU MLX has no fused kernel: masked or not, attention is matmuls and
+a softmax over every position a call reads, so a short row padded to a
+joined long prompt's length reads all of it. There a call costs ~0.1 ms and
+every row and 1,000 positions ~0.3 ms (:data:`CPU_COSTS`): three rows of 64
+tokens and a joined 3,000-token prompt (the default model) stepped in 158-164
+ms split against 249-262 ms masked. Not on Metal: its fused kernel takes the mask itself.
 
 The model's module keeps mlx-lm's own function for everything else:
 :func:`install` wraps the module's ``scaled_dot_product_attention``, and the
@@ -43,17 +49,29 @@ import mlx.core as mx
 from .attention_patch import route
 from .chunks import KV_STEP, builds_kernels_per_shape
 
-# What a layer's attention costs, ms, fitted to session 12's H200 table (8 rows,
-# Qwen3-8B heads; benchmarks/results/h200_sdpa_mask_session12.jsonl): any call,
-# then per row and 1,000 positions masked and unmasked. They reproduce its
+
+@dataclass(frozen=True)
+class Costs:
+    """What a layer's attention costs, ms: any call, then per row and 1,000 positions masked, unmasked, gathered."""
+
+    call: float
+    masked: float
+    unmasked: float
+    gather: float
+
+
+# Fitted to session 12's H200 table (8 rows, Qwen3-8B heads;
+# benchmarks/results/h200_sdpa_mask_session12.jsonl). They reproduce its
 # crossover: one masked call for 8 rows of different lengths up to ~4k
 # positions, a call per row beyond. Gathering rows that are not neighbours in
-# the batch is not in the table: GATHER_MS is its memory traffic (keys and
+# the batch is not in the table: its cost is its memory traffic (keys and
 # values, 4 KB a row and position for those heads, read and written at ~3 TB/s).
-CALL_MS = 0.03
-MASKED_MS = 0.0085
-UNMASKED_MS = 0.0006
-GATHER_MS = 0.0025
+CUDA_COSTS = Costs(call=0.03, masked=0.0085, unmasked=0.0006, gather=0.0025)
+# This 2-core CPU, SmolLM2-135M's heads (9 / 3 / 64, fp32; session 43): a call
+# 0.10 ms, every row and 1,000 positions 0.25-0.40 ms masked or not, a gather of
+# two rows' keys and values 0.12-0.4 ms per row and 1,000 positions. Bigger
+# heads cost more per position for the same call, so a split pays sooner there.
+CPU_COSTS = Costs(call=0.1, masked=0.33, unmasked=0.3, gather=0.3)
 # Keys above which MLX 0.32's CUDA backend runs a one-token query in two passes (``sdpa_vector_fallback``: kL > 1024).
 VECTOR_TWO_PASS_ABOVE = 1024
 
@@ -72,8 +90,13 @@ class Group:
 
 
 def wanted() -> bool:
-    """Whether this device's fused attention refuses masks: the CUDA backend (the same test as the chunk planner's)."""
-    return builds_kernels_per_shape()
+    """Whether a padded step's attention reads every row's padding: the CUDA backend (its fused kernel refuses masks) and the CPU."""
+    return builds_kernels_per_shape() or mx.default_device().type == mx.cpu
+
+
+def costs() -> Costs:
+    """This device's attention costs (the CPU's, or CUDA's)."""
+    return CPU_COSTS if mx.default_device().type == mx.cpu else CUDA_COSTS
 
 
 def install(model: Any) -> bool:
@@ -81,20 +104,20 @@ def install(model: Any) -> bool:
     return route(model, "rows", _grouped)
 
 
-def plan(pads: list[int], positions: int) -> list[Group] | None:
+def plan(pads: list[int], positions: int, cost: Costs | None = None) -> list[Group] | None:
     """The cheapest split of a step's rows into calls, or ``None`` where one masked call (mlx-lm's) is it.
 
     ``positions``: the keys each row's query sees, padding included. Rows
     are ordered by padding and cut into runs (every best split is such a
     run: a group's cost grows with its longest row and its spread). Made
     again when the rows change or every ``KV_STEP`` positions: 32 rows take
-    ~1 ms of host time to plan.
+    ~1 ms of host time to plan. ``cost``: the device's own (:func:`costs`) where not given.
     """
-    return _plan(tuple(pads), (positions + KV_STEP - 1) // KV_STEP * KV_STEP)
+    return _plan(tuple(pads), (positions + KV_STEP - 1) // KV_STEP * KV_STEP, cost or costs())
 
 
 @lru_cache(maxsize=64)
-def _plan(pads: tuple[int, ...], positions: int) -> list[Group] | None:
+def _plan(pads: tuple[int, ...], positions: int, cost: Costs) -> list[Group] | None:
     if not any(pads):
         return [Group(tuple(range(len(pads))), 0, tuple(pads))]
     order = sorted(range(len(pads)), key=lambda i: pads[i])
@@ -104,9 +127,9 @@ def _plan(pads: tuple[int, ...], positions: int) -> list[Group] | None:
     for end in range(1, n + 1):
         for begin in range(end):
             rows = order[begin:end]
-            cost = best[begin] + _cost(rows, pads, positions)
-            if cost < best[end]:
-                best[end], cut[end] = cost, begin
+            total = best[begin] + _cost(rows, pads, positions, cost)
+            if total < best[end]:
+                best[end], cut[end] = total, begin
     groups = []
     end = n
     while end:
@@ -121,13 +144,13 @@ def _plan(pads: tuple[int, ...], positions: int) -> list[Group] | None:
     return sorted(groups, key=lambda g: g.rows[0])
 
 
-def _cost(rows: list[int], pads: tuple[int, ...], positions: int) -> float:
+def _cost(rows: list[int], pads: tuple[int, ...], positions: int, cost: Costs) -> float:
     span = (positions - min(pads[i] for i in rows)) / 1000
     masked = any(pads[i] != pads[rows[0]] for i in rows)
-    cost = CALL_MS + (MASKED_MS if masked else UNMASKED_MS) * len(rows) * span
+    total = cost.call + (cost.masked if masked else cost.unmasked) * len(rows) * span
     if max(rows) - min(rows) + 1 != len(rows):
-        cost += GATHER_MS * len(rows) * span
-    return cost
+        total += cost.gather * len(rows) * span
+    return total
 
 
 def mark(cache: list[Any], pads: list[int] | None) -> None:
@@ -212,4 +235,4 @@ def _attend_group(g: Group, queries: mx.array, keys: mx.array, values: mx.array,
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep[:, None, None, :])
 
 
-__all__ = ["CALL_MS", "Group", "apply", "install", "mark", "plan", "wanted", "warm"]
+__all__ = ["CPU_COSTS", "CUDA_COSTS", "Costs", "Group", "apply", "costs", "install", "mark", "plan", "wanted", "warm"]
