@@ -986,6 +986,8 @@ def test_a_stored_cache_is_found_at_once_and_the_entries_it_serves_go_at_prune(t
     assert mx.array_equal(view[0].keys[..., :90, :], longer[0].keys[..., :90, :]).item()
     store.prune()
     assert len(store) == 1
+    assert sum(a.nbytes for a in store.arrays()) == store.nbytes  # the arrays memory accounting reads
+    assert len(store.arrays()) == 2 * len(longer)
     _, n = store.fetch(prompt[:60] + [7])
     assert n == 60  # served by the newer entry
     store.set_limit(store.nbytes - 1)

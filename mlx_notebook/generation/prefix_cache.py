@@ -90,6 +90,18 @@ class PromptCache:
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays the entries hold (a quantized layer's triples flattened): what memory accounting reads."""
+        with self._lock:
+            caches = [e.cache for e in self._entries.values()]
+        out: list[mx.array] = []
+        for cache in caches:
+            for layer in cache:
+                for part in (layer.keys, layer.values):
+                    if part is not None:
+                        out.extend(part if isinstance(part, (tuple, list)) else (part,))
+        return out
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
