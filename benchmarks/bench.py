@@ -65,6 +65,18 @@ SYNTHETIC = {
         tie_embeddings=False,
         dtype="bfloat16",
     ),
+    # Qwen3-0.6B's shape (tied embeddings), float32 as the CPU runs it: ~3 GB, a model people load on a laptop.
+    "qwen3-0.6b": dict(
+        arch="qwen3",
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=3072,
+        tie_embeddings=True,
+        dtype="float32",
+    ),
     # Small enough for a CPU run, with the same full-size tokenizers.
     "llama-tiny": dict(arch="llama", hidden=256, layers=8, heads=8, kv_heads=4, intermediate=512, dtype="float32"),
     "qwen3-tiny": dict(arch="qwen3", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, dtype="float32"),
