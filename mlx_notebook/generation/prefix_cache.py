@@ -94,13 +94,7 @@ class PromptCache:
         """The arrays the entries hold (a quantized layer's triples flattened): what memory accounting reads."""
         with self._lock:
             caches = [e.cache for e in self._entries.values()]
-        out: list[mx.array] = []
-        for cache in caches:
-            for layer in cache:
-                for part in (layer.keys, layer.values):
-                    if part is not None:
-                        out.extend(part if isinstance(part, (tuple, list)) else (part,))
-        return out
+        return [a for cache in caches for a in _arrays(cache)]
 
     def __len__(self) -> int:
         with self._lock:
@@ -297,13 +291,17 @@ def _with_room(a: Any, n: int, size: int) -> Any:
 
 def _held_bytes(cache: Cache) -> int:
     """Bytes of the arrays ``cache``'s layers hold (mlx-lm's ``nbytes`` of a quantized layer walks a tree: ~20 us)."""
-    total = 0
+    return sum(a.nbytes for a in _arrays(cache))
+
+
+def _arrays(cache: Cache) -> list[mx.array]:
+    """The keys and values ``cache``'s layers hold, a quantized layer's triples flattened."""
+    out: list[mx.array] = []
     for layer in cache:
         for part in (layer.keys, layer.values):
-            if part is None:
-                continue
-            total += sum(a.nbytes for a in part) if isinstance(part, (tuple, list)) else part.nbytes
-    return total
+            if part is not None:
+                out.extend(part if isinstance(part, (tuple, list)) else (part,))
+    return out
 
 
 def trimmed(cache: Cache, n: int) -> Cache:
