@@ -636,9 +636,13 @@ def wait_for_ladder(loaded, limit_s=300.0):
 
     A notebook leaves the worker idle between loading a model and its prompts; a benchmark that goes
     straight on meets chunk shapes the ladder would have built (cuDNN graphs, tens of ms each).
+
+    Waits for the worker's own word (``ladder_warmed``, set once :func:`warm_up.warm_ladder` returns), not for
+    the chunks left to reach none: the last chunk is counted a moment before the worker is through with the
+    ladder (its log, its ``mx.clear_cache``). Warmed with chunks left: the ladder failed (logged).
     """
     t0 = time.perf_counter()
-    while warm_up.ladder(loaded) and not loaded.ladder_warmed:  # warmed with chunks left: it failed (logged)
+    while not loaded.ladder_warmed:
         if time.perf_counter() - t0 > limit_s:
             raise TimeoutError(f"the warm-up ladder left {len(warm_up.ladder(loaded))} chunks after {limit_s:.0f} s")
         time.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 
 from benchmarks import sampling
 
@@ -131,6 +132,16 @@ def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_faile
     monkeypatch.setattr(warm_up, "wanted", lambda: True)  # the CUDA backend's warm-up, run on the CPU
     monkeypatch.setattr(warm_up, "LADDER_SIZES", (256, 512))
     monkeypatch.setattr(warm_up, "LADDER_CONTEXT", 1024)
+    warm_ladder = warm_up.warm_ladder
+
+    def slow_tail(loaded, keep_going):
+        # The worker's moment between counting the last chunk and its word that the ladder is done, made wide
+        # (CI once read the chunks at none and the word not yet given).
+        done = warm_ladder(loaded, keep_going)
+        time.sleep(0.5)
+        return done
+
+    monkeypatch.setattr(warm_up, "warm_ladder", slow_tail)
     worker = mlx_notebook.Worker(prompt_cache_gb=0)
     try:
         worker.load_model(tiny_model)
