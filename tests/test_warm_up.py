@@ -231,6 +231,7 @@ def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_f
             assert ended.wait_for(lambda: True in results, timeout=DEADLINE_S), results
         assert results[0] is False  # given up for the generation, then taken up again
         loaded = worker.store.loaded()[0]
+        worker.call(lambda store: None)  # the worker sets ladder_warmed after `recording` returns, before its next job
         assert loaded.ladder_warmed and warm_up.ladder(loaded) == []
     finally:
         release.set()
