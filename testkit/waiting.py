@@ -20,8 +20,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx_notebook
@@ -100,6 +102,27 @@ def wait_prefill_chunks(gen: mlx_notebook.Generation, n: int, timeout: float = D
         f"{n} prefill chunks of #{gen.id}",
         timeout,
     )
+
+
+@contextlib.contextmanager
+def held(worker: mlx_notebook.Worker, timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
+    """Keep ``worker``'s thread busy in a call for the block: what is submitted in it stays queued until it ends.
+
+    So a listener added, or a cancel made, right after a submit comes before the worker starts that
+    generation: without the hold, a test thread scheduled late misses its first events (a short prompt of
+    the tiny model is prefilled in milliseconds), or finds a "queued" generation already running.
+    """
+    started, release = threading.Event(), threading.Event()
+    caller = threading.Thread(
+        target=worker.call, args=(lambda store: (started.set(), release.wait(timeout)),), daemon=True
+    )
+    caller.start()
+    assert started.wait(timeout), "the worker never took the call that holds it"
+    try:
+        yield
+    finally:
+        release.set()
+        caller.join(timeout)
 
 
 def assert_stays_paused(gen: mlx_notebook.Generation, meanwhile: Callable[[], Any], timeout: float = 60.0) -> int:

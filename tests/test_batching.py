@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 
 import pytest
 
 import mlx_notebook
-from testkit.waiting import assert_stays_paused, wait_prefill_chunks, wait_state, wait_tokens
+from mlx_notebook.generation.session import Session
+from testkit.waiting import assert_stays_paused, held, wait_prefill_chunks, wait_state, wait_tokens
 
 # Prompts of different lengths: the batch's rows are left-padded differently.
 PROMPTS = [
@@ -419,6 +421,22 @@ def test_a_paused_row_resumes_and_stops_while_a_prompt_is_fed_in_turn(worker, ti
     next token, and a stop of a paused row 3.8 s.
     """
     monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "0")  # in turn on the worker, as on the CPU by default
+    # The prompt's prefill is held at one piece boundary (its checkpoint, looked at again and again) until the
+    # checks below are done: they pass only if the boundary itself acts on the parked row. Without the hold they
+    # raced the prefill's end on a busy machine.
+    at_boundary, checked = threading.Event(), threading.Event()
+    between = Session.between
+
+    def held_between(session: Session) -> None:
+        between(session)
+        if joiner is not None and joiner.stats.prefill_chunks >= 2 and not checked.is_set():
+            at_boundary.set()
+            deadline = time.monotonic() + 60
+            while not checked.is_set() and time.monotonic() < deadline:
+                between(session)
+                checked.wait(0.005)
+
+    monkeypatch.setattr(Session, "between", held_between)
     long_prompt = [(47 * i) % 250 + 20 for i in range(4000)]
     worker.prompt_cache_gb = 0
     joiner = None
@@ -427,26 +445,24 @@ def test_a_paused_row_resumes_and_stops_while_a_prompt_is_fed_in_turn(worker, ti
         wait_tokens(other, 3)
         other.pause()
         wait_state(other, "paused")
-        # Small pieces: its prefill lasts a second or more, the resume and the stop below take a few pieces.
         joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=2, stop_budget=0.005)
-        wait_prefill_chunks(joiner, 2)
+        assert at_boundary.wait(60), "the joining prompt never reached its second piece's boundary"
+        chunks = joiner.stats.prefill_chunks
         read = len(other.tokens)
         other.resume()
-        wait_tokens(other, read + 3)
-        resumed_in_prefill = joiner.state == "prefilling"
+        # Within the hold's 60 s; a TimeoutError here: the resumed row waited for the prompt's prefill.
+        wait_tokens(other, read + 3, timeout=20)
         other.pause()
-        wait_state(other, "paused")
+        wait_state(other, "paused", timeout=20)
         other.cancel()
-        assert other.wait(60)
-        stopped_in_prefill = joiner.state == "prefilling"
-        chunks = joiner.stats.prefill_chunks
+        assert other.wait(15), "the stop of the paused row waited for the prompt's prefill"
+        assert joiner.state == "prefilling" and joiner.stats.prefill_chunks == chunks, "the hold did not hold"
     finally:
+        checked.set()
         if joiner is not None:
             joiner.cancel()
             joiner.wait(60)
         worker.prompt_cache_gb = 2
-    assert resumed_in_prefill, f"the resumed row waited for the prompt's prefill ({chunks} chunks)"
-    assert stopped_in_prefill, f"the stop of the paused row waited for the prompt's prefill ({chunks} chunks)"
 
 
 def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker, tiny_model, reserves):
@@ -475,7 +491,6 @@ def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker
 
 
 def test_max_batch_one_runs_alone(worker, tiny_model, solo):
-    gens = submit_all(worker, tiny_model, max_batch=1)
     spans: dict[int, list[float]] = {}
 
     def track(event):
@@ -483,17 +498,17 @@ def test_max_batch_one_runs_alone(worker, tiny_model, solo):
         if event.kind == "state" and event.state in ("loading", "prefilling", "done"):
             spans.setdefault(event.generation.id, []).append(time.perf_counter())
 
-    for gen in gens:
-        gen.add_listener(track)
+    with held(worker):  # every listener is on before the first generation starts
+        gens = submit_all(worker, tiny_model, max_batch=1)
+        for gen in gens:
+            gen.add_listener(track)
     for gen in gens:
         gen.result(timeout=120)
     assert [g.stats.batch_size for g in gens] == [1, 1, 1, 1]
     assert [g.tokens for g in gens] == [solo[p, None] for p in PROMPTS]
-    # One at a time, in order: each began after the one before it ended (the first may
-    # have begun before its listener was attached).
-    for before, after in zip(gens[1:], gens[2:]):
+    # One at a time, in order: each began after the one before it ended.
+    for before, after in zip(gens, gens[1:]):
         assert spans[before.id][-1] <= spans[after.id][0], (spans[before.id], spans[after.id])
-    assert spans[gens[0].id][-1] <= spans[gens[1].id][0]
 
 
 def test_stop_all_ends_every_row_and_the_worker_goes_on(worker, tiny_model, solo):

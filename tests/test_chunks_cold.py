@@ -17,19 +17,20 @@ from pathlib import Path
 
 import mlx_notebook
 from testkit.fault_rounds import TINY_PREFILL
-from testkit.waiting import wait_prefill_chunks
+from testkit.waiting import held, wait_prefill_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 FRESH = r"""
 import json, sys
 import mlx_notebook
-from testkit.waiting import wait_prefill_chunks
+from testkit.waiting import held, wait_prefill_chunks
 w = mlx_notebook.Worker(prompt_cache_gb=0)
 w.load_model(sys.argv[1])
 fed = []
-gen = mlx_notebook.generate([16 + i % 300 for i in range(4000)], model=sys.argv[1], max_tokens=1, worker=w)
-gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
+with held(w):  # the listener sees the first chunk
+    gen = mlx_notebook.generate([16 + i % 300 for i in range(4000)], model=sys.argv[1], max_tokens=1, worker=w)
+    gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
 wait_prefill_chunks(gen, 4, timeout=120)
 gen.cancel()
 stopped = gen.wait(60) and gen.state == "stopped"
@@ -63,13 +64,15 @@ def test_the_next_prompt_opens_with_a_chunk_no_larger_than_the_last_prompt_ran(t
     worker = mlx_notebook.Worker(prompt_cache_gb=0)
     try:
         fed: list[int] = []
-        gen = mlx_notebook.generate(first, model=tiny_model, max_tokens=1, worker=worker, stop_budget=0.05)
-        gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
+        with held(worker):  # the listeners see the first chunks
+            gen = mlx_notebook.generate(first, model=tiny_model, max_tokens=1, worker=worker, stop_budget=0.05)
+            gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
         gen.result(timeout=300)
         ran = [b - a for a, b in zip(fed, fed[1:]) if b > a]
         fed_next: list[int] = []
-        nxt = mlx_notebook.generate(first, model=tiny_model, max_tokens=1, worker=worker, stop_budget=0.05)
-        nxt.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed_next.append(e.done))
+        with held(worker):
+            nxt = mlx_notebook.generate(first, model=tiny_model, max_tokens=1, worker=worker, stop_budget=0.05)
+            nxt.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed_next.append(e.done))
         wait_prefill_chunks(nxt, 2, timeout=120)
         nxt.cancel()
         assert nxt.wait(60) and nxt.state == "stopped"

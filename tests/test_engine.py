@@ -18,6 +18,7 @@ import mlx_notebook
 from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundError
 from testkit.waiting import (
     assert_stays_paused,
+    held,
     other_generation,
     wait_prefill_chunks,
     wait_state,
@@ -193,18 +194,17 @@ def test_queue_runs_in_order_and_cancelled_queued_job_never_runs(worker, tiny_mo
                 order.append(event.generation.id)
 
     gens = []
-    for _ in range(4):
-        g = run(worker, tiny_model, max_tokens=8)
-        g.add_listener(track)
-        gens.append(g)
-    gens[2].cancel()
+    with held(worker):  # all four queued while the listeners go on and the third is cancelled
+        for _ in range(4):
+            g = run(worker, tiny_model, max_tokens=8)
+            g.add_listener(track)
+            gens.append(g)
+        gens[2].cancel()
     for g in gens:
         assert g.wait(60)
     assert gens[2].state == "stopped" and gens[2].tokens == []
     ran = [g.id for g in gens if g is not gens[2]]
-    # The first may have started before its listener was attached.
-    assert [i for i in order if i in ran] == [i for i in ran if i in order]
-    assert set(ran[1:]) <= set(order) and gens[2].id not in order
+    assert order == ran and gens[2].id not in order
 
 
 def test_mlx_error_fails_only_that_generation(worker, tiny_model):
@@ -315,19 +315,15 @@ def test_prompt_longer_than_context_fails_cleanly(worker, tiny_model):
 
 def test_listener_errors_do_not_break_generation(worker, tiny_model):
     expected = reference(worker, tiny_model, max_tokens=10)
-    # Hold the worker so the broken listener is attached before the generation starts.
-    started, release = threading.Event(), threading.Event()
-    threading.Thread(target=worker.call, args=(lambda store: (started.set(), release.wait(60)),), daemon=True).start()
-    assert started.wait(30)
-    gen = run(worker, tiny_model, max_tokens=10)
     calls = []
 
     def broken(event):
         calls.append(event.kind)
         raise ValueError("display bug")
 
-    gen.add_listener(broken)
-    release.set()
+    with held(worker):  # the broken listener is attached before the generation starts
+        gen = run(worker, tiny_model, max_tokens=10)
+        gen.add_listener(broken)
     gen.result(timeout=60)
     assert gen.state == "done" and gen.tokens == expected
     # It ran, and raised, on every kind of event.

@@ -115,10 +115,13 @@ def test_background_cell_returns_at_once_and_streams(kernel: KernelSession, refe
     steps = [t for t in texts if t]
     assert len(set(steps)) >= 3, steps
     assert all(final_text.startswith(t) for t in steps)
-    assert view(kernel, reply.msg_id)["text"] == final_text
+    # The widget's last draw and the final display are iopub messages of the worker thread: they need not come
+    # before the reply to an `eval` on the shell channel.
+    kernel.wait_until(lambda: view(kernel, reply.msg_id)["text"] == final_text, 30)
 
     # The handle bound by --out, and the final display for headless clients.
     assert kernel.eval("(type(g).__name__, g.state, g.tokens)") == ("Generation", "done", reference)
+    kernel.wait_until(lambda: final_display(kernel, reply.msg_id)["metadata"]["mlx_notebook"]["state"] == "done", 30)
     bundle = final_display(kernel, reply.msg_id)
     assert bundle["data"]["text/plain"].startswith(final_text)
     assert bundle["metadata"]["mlx_notebook"]["state"] == "done"

@@ -19,7 +19,7 @@ import mlx_notebook
 from mlx_notebook import InvalidArgumentError
 from mlx_notebook.generation.reasoning import TextChannels, ThinkingBudget, ThinkTags, TokenChannels
 from testkit.thinking_model import make_thinking_model, think_ids
-from testkit.waiting import assert_stays_paused, other_generation, wait_until
+from testkit.waiting import assert_stays_paused, held, other_generation, wait_until
 
 PROMPT = "Once upon a time the quick brown fox"
 BUDGET = 5
@@ -152,13 +152,14 @@ def test_logprobs_are_marked_reasoning_or_answer(worker, r1):
 @pytest.mark.parametrize("at", [2, BUDGET - 1, BUDGET, BUDGET + 1, BUDGET + 2])
 def test_pause_and_resume_are_exact_across_the_boundary(worker, r1, sampling, at):
     ref = done(run(worker, r1, thinking_budget=BUDGET, **sampling))
-    gen = run(worker, r1, thinking_budget=BUDGET, **sampling)
 
     def pause_at(event: Any) -> None:
         if event.kind == "tokens" and len(gen.tokens) == at:
             gen.pause()
 
-    gen.add_listener(pause_at)
+    with held(worker):  # the listener is on before the first token
+        gen = run(worker, r1, thinking_budget=BUDGET, **sampling)
+        gen.add_listener(pause_at)
     wait_until(lambda: gen.state == "paused" or gen.finished, what=f"a pause near token {at}")
     assert gen.state == "paused", gen
     assert_stays_paused(gen, lambda: other_generation(worker, r1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx_notebook
 from mlx_notebook.generation.handle import Generation, GenerationEvent
 from testkit.fault_rounds import TINY_PROMPT
+from testkit.waiting import held
 
 MAX = 300
 
@@ -39,13 +40,16 @@ def _reference(worker, model: str) -> tuple[Generation, list[int]]:
 
 
 def _stop_after(worker, model: str, n: int) -> Generation:
-    """A generation the worker stops right after its ``n``-th token (the listener runs on the worker)."""
-    gen = mlx_notebook.generate(TINY_PROMPT, model=model, worker=worker, max_tokens=MAX)
+    """A generation the worker stops right after its ``n``-th token (the listener runs on the worker).
+
+    Called while the worker is :func:`held`, so the listener is on before the first token.
+    """
 
     def stop_at(event: GenerationEvent) -> None:
         if event.kind == "tokens" and len(gen.tokens) >= n:
             gen.cancel()
 
+    gen = mlx_notebook.generate(TINY_PROMPT, model=model, worker=worker, max_tokens=MAX)
     gen.add_listener(stop_at)
     return gen
 
@@ -53,7 +57,8 @@ def _stop_after(worker, model: str, n: int) -> Generation:
 def test_a_stop_inside_a_character_keeps_the_text_a_prefix(worker, tiny_model: str) -> None:
     full, cuts = _reference(worker, tiny_model)
     for n in cuts:
-        gen = _stop_after(worker, tiny_model, n)
+        with held(worker):
+            gen = _stop_after(worker, tiny_model, n)
         assert gen.wait(120)
         assert gen.state == "stopped" and gen.tokens == full.tokens[:n], (n, len(gen.tokens))
         assert full.text.startswith(gen.text), (n, gen.text[-8:], full.text[len(gen.text) - 4 : len(gen.text) + 4])
@@ -63,8 +68,9 @@ def test_a_stop_inside_a_character_keeps_the_text_a_prefix(worker, tiny_model: s
 
 def test_a_stop_of_one_row_among_others_keeps_its_text_a_prefix(worker, tiny_model: str) -> None:
     full, cuts = _reference(worker, tiny_model)
-    other = mlx_notebook.generate(TINY_PROMPT, model=tiny_model, worker=worker, max_tokens=MAX)
-    gen = _stop_after(worker, tiny_model, cuts[0])
+    with held(worker):  # submitted together, they start decoding together
+        other = mlx_notebook.generate(TINY_PROMPT, model=tiny_model, worker=worker, max_tokens=MAX)
+        gen = _stop_after(worker, tiny_model, cuts[0])
     assert gen.wait(120) and other.wait(120)
     assert gen.state == "stopped" and gen.tokens == full.tokens[: cuts[0]]
     assert gen.stats.batch_size == 2, "the two did not decode together"
