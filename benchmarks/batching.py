@@ -67,6 +67,10 @@ from mlx_notebook.generation.handle import Generation, Reporter
 from mlx_notebook.generation.request import GenerationRequest
 from mlx_notebook.loading.policy import batch_decode
 
+# The longest any wait here lasts (a 32k prefill of an 8B shape on a slow host is minutes): a hang fails, it does
+# not hold a device call or the smoke tests until their own limits.
+WAIT_S = 1800.0
+
 
 class TokenClock:
     """Times of every token of a set of generations (listener).
@@ -114,7 +118,7 @@ def ours_batch(worker, name, prompts, max_tokens, budget):
     ]
     clock = TokenClock(gens)
     for g in gens:
-        g.result()
+        g.result(timeout=WAIT_S)
     wall = time.perf_counter() - t0
     return aggregate_tps([clock.times[g.id] for g in gens]), [g.tokens for g in gens], wall
 
@@ -166,7 +170,7 @@ def solo_rows(worker, name, prompts, max_tokens, budget):
             p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget, max_batch=1
         )
         clock = TokenClock([gen])
-        gen.result()
+        gen.result(timeout=WAIT_S)
         t = clock.times[gen.id]
         out.append(((len(t) - 1) / (t[-1] - t[0]), gen.tokens))
     return out
@@ -184,7 +188,7 @@ def together_vs_sequential(worker, name, prompts, max_tokens, budget, repeats, s
                     for p in prompts
                 ]
                 for g in gens:
-                    g.result()
+                    g.result(timeout=WAIT_S)
                 together.append(time.perf_counter() - t0)
                 equal.append(sum(g.tokens == s[1] for g, s in zip(gens, solo)))
                 batch_sizes.append(max(g.stats.batch_size for g in gens))
@@ -192,7 +196,7 @@ def together_vs_sequential(worker, name, prompts, max_tokens, budget, repeats, s
                 for p in prompts:
                     mlx_notebook.generate(
                         p, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget
-                    ).result()
+                    ).result(timeout=WAIT_S)
                 sequential.append(time.perf_counter() - t0)
     seq, tog = statistics.median(sequential), statistics.median(together)
     return {
@@ -214,9 +218,9 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng, trace=False):
     tracer = CachedTrace()
     try:
         warm = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
-        warm.result()
+        warm.result(timeout=WAIT_S)
         again = mlx_notebook.generate(ids, model=name, worker=worker, max_tokens=4, stop_budget=budget)
-        again.result()
+        again.result(timeout=WAIT_S)
         latencies, states, detail = [], {}, []
         for _ in range(rounds):
             tracer.events.clear()
@@ -263,8 +267,16 @@ def cached_stop_rounds(worker, name, ids, budget, rounds, rng, trace=False):
 
 
 def wait_decoding(gens, n=2):
+    deadline = time.perf_counter() + WAIT_S
     while any(len(g.tokens) < n and not g.finished for g in gens):
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"rows without {n} tokens after {WAIT_S:.0f} s: {[len(g.tokens) for g in gens]}")
         time.sleep(0.0005)
+
+
+def wait_ended(gen):
+    if not gen.wait(WAIT_S):
+        raise TimeoutError(f"generation #{gen.id} still {gen.state} {WAIT_S:.0f} s after its stop")
 
 
 def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None, detail=None, gil=None):
@@ -316,7 +328,7 @@ def stop_one_rounds(worker, name, prompts, budget, rounds, rng, options=None, de
         for g in gens:
             g.cancel()
         for g in gens:
-            g.wait()
+            wait_ended(g)
         t = clock.times[gens[0].id]
         steps += [b - a for a, b in zip(t, t[1:]) if b < t0]
     return latencies, steps, worker_side, early
@@ -519,7 +531,7 @@ def step_profile(worker, name, prompts, max_tokens, budget):
             for p in prompts
         ]
         for g in gens:
-            g.result()
+            g.result(timeout=WAIT_S)
     steps = d.calls["step"][len(prompts) :]  # decoding together
     gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
     return {
@@ -554,7 +566,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=after_tokens, stop_budget=budget)
         jclock = TokenClock([joiner])
         t_join = time.perf_counter()
-        joiner.result()
+        joiner.result(timeout=WAIT_S)
         t_last = jclock.times[joiner.id][-1] + 0.002  # a token after this came after the joiner left
         deadline = time.perf_counter() + 30
         while any(not g.finished and clock.times[g.id][-1] <= t_last for g in gens):
@@ -564,7 +576,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     for g in gens:
         g.cancel()
     for g in gens:
-        g.wait()
+        wait_ended(g)
     t_first = jclock.times[joiner.id][0]  # the joiner's first token: its prefill is over, its row admitted
     steps, spans, after = [], [], []
     by_index: list[list[float]] = []  # the others' gaps after the admit, by their order: a cost that fades, or stays
@@ -598,6 +610,10 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 by_index[k].append(b - a)
                 k += 1
     gaps = [gap for gap, _, _ in spans]
+    # The prefill's gaps of the first row (the others' are the same steps): a long one alone, or the common run.
+    prefill_gaps = sorted(
+        b - a for a, b in zip(clock.times[gens[0].id], clock.times[gens[0].id][1:]) if t_join < b < t_first
+    )
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
@@ -621,6 +637,11 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
         "others_p99_gap_ms": 1000 * percentile(gaps, 99),
         "longest_gc_ms": 1000 * pauses.longest,
         "others_max_gap_by_phase_ms": {k: round(1000 * v, 2) for k, v in where.items() if k != "leave"},
+        "others_prefill_gaps_ms": {
+            "count": len(prefill_gaps),
+            "p50": round(1000 * statistics.median(prefill_gaps), 1) if prefill_gaps else None,
+            "longest": [round(1000 * g, 1) for g in prefill_gaps[::-1][:5]],
+        },
         "others_leave_gap_ms": round(1000 * where["leave"], 2),
         "others_step_ms": 1000 * step,
         "others_step_after_join_ms": 1000 * step_after,
@@ -722,14 +743,16 @@ def prefix_reuse(worker, name, vocab, length, budget, max_tokens):
     first, second = doc + prompt_ids(24, vocab, seed=8), doc + prompt_ids(24, vocab, seed=9)
     worker.prompt_cache_gb = 0
     cold = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
-    cold.result()
+    cold.result(timeout=WAIT_S)
     worker.prompt_cache_gb = 4
-    mlx_notebook.generate(first, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget).result()
+    mlx_notebook.generate(first, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget).result(
+        timeout=WAIT_S
+    )
     from mlx_notebook.generation import session
 
     with Durations([(session, "restore"), (session, "prefill")]) as d:
         warm = mlx_notebook.generate(second, model=name, worker=worker, max_tokens=max_tokens, stop_budget=budget)
-        warm.result()
+        warm.result(timeout=WAIT_S)
     worker.prompt_cache_gb = 0
     return {
         "prompt_tokens": len(second),
