@@ -104,6 +104,27 @@ def wait_prefill_chunks(gen: mlx_notebook.Generation, n: int, timeout: float = D
     )
 
 
+def in_prefill(gen: mlx_notebook.Generation, action: Callable[[], Any], chunks: int = 1) -> threading.Event:
+    """Call ``action()`` (a pause, a stop) at ``gen``'s first prefill report with ``chunks`` pieces done and
+    tokens still ahead, on the thread that reports it; the event returned is set once it was called.
+
+    A test thread that waits for the chunks and then asks can be scheduled late on a busy machine, and
+    its request then lands after the prefill (a pause test that reads "no token yet" fails); asked from
+    the report, it lands at the next checkpoint.
+    """
+    called = threading.Event()
+
+    def listener(event: mlx_notebook.GenerationEvent) -> None:
+        if called.is_set() or event.kind != "progress" or event.phase != "prefill":
+            return
+        if gen.stats.prefill_chunks >= chunks and event.done < event.total:
+            called.set()
+            action()
+
+    gen.add_listener(listener)
+    return called
+
+
 @contextlib.contextmanager
 def held(worker: mlx_notebook.Worker, timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
     """Keep ``worker``'s thread busy in a call for the block: what is submitted in it stays queued until it ends.

@@ -18,7 +18,7 @@ import pytest
 
 import mlx_notebook
 from mlx_notebook.generation.session import Session
-from testkit.waiting import assert_stays_paused, held, wait_prefill_chunks, wait_state, wait_tokens
+from testkit.waiting import assert_stays_paused, held, in_prefill, wait_prefill_chunks, wait_state, wait_tokens
 
 # Prompts of different lengths: the batch's rows are left-padded differently.
 PROMPTS = [
@@ -475,8 +475,7 @@ def test_a_long_joiner_paused_in_its_prefill_lets_its_reserved_buffers_go(worker
         first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000)
         wait_tokens(first, 5)
         joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=8, stop_budget=0.01)
-        wait_prefill_chunks(joiner, 2)
-        joiner.pause()
+        in_prefill(joiner, joiner.pause, chunks=2)
         wait_state(joiner, "paused")
         assert not joiner.tokens and joiner.stats.prefill_chunks < 3500, "the pause did not land in the prefill"
         joiner.resume()

@@ -24,15 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FRESH = r"""
 import json, sys
 import mlx_notebook
-from testkit.waiting import held, wait_prefill_chunks
+from testkit.waiting import held, in_prefill
 w = mlx_notebook.Worker(prompt_cache_gb=0)
 w.load_model(sys.argv[1])
 fed = []
-with held(w):  # the listener sees the first chunk
+with held(w):  # the listeners see the first chunk
     gen = mlx_notebook.generate([16 + i % 300 for i in range(4000)], model=sys.argv[1], max_tokens=1, worker=w)
     gen.add_listener(lambda e: e.kind == "progress" and e.phase == "prefill" and fed.append(e.done))
-wait_prefill_chunks(gen, 4, timeout=120)
-gen.cancel()
+    in_prefill(gen, gen.cancel, chunks=4)
 stopped = gen.wait(60) and gen.state == "stopped"
 print(json.dumps({"stopped": stopped, "fed": fed, "stop_s": gen.stats.stop_latency_s}))
 w.shutdown(timeout=60)

@@ -19,8 +19,8 @@ from mlx_notebook import InvalidArgumentError, ModelFormatError, ModelNotFoundEr
 from testkit.waiting import (
     assert_stays_paused,
     held,
+    in_prefill,
     other_generation,
-    wait_prefill_chunks,
     wait_state,
     wait_tokens,
     wait_until,
@@ -140,8 +140,7 @@ def test_stop_during_prefill_of_a_long_prompt(worker, tiny_model):
     long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 300)
     gen = run(worker, tiny_model, prompt=long_prompt, max_tokens=5, stop_budget=0.01)
     # Stop once a prefill chunk is done, with most of the prompt still ahead.
-    wait_prefill_chunks(gen, 1)
-    gen.cancel()
+    in_prefill(gen, gen.cancel)
     assert gen.wait(60)
     assert gen.state == "stopped"
     assert gen.stats.generated_tokens == 0 and gen.stats.ttft_s is None
@@ -163,8 +162,7 @@ def test_pause_during_prefill_then_resume_is_exact(worker, tiny_model):
     try:
         # Pause once a prefill chunk is done and most of the prompt is still ahead
         # (right after "prefilling" the test thread may be scheduled too late).
-        wait_prefill_chunks(gen, 1)
-        gen.pause()
+        in_prefill(gen, gen.pause)
         # The chunk in flight when the pause came may still end and count: nothing moves
         # from the moment the pause took effect. A paused prefill runs the other rows'
         # steps (a new generation would queue behind it): while a generation that was

@@ -14,7 +14,7 @@ import pytest
 
 import mlx_notebook
 from mlx_notebook.generation import session as session_module
-from testkit.waiting import assert_stays_paused, wait_prefill_chunks, wait_state, wait_tokens
+from testkit.waiting import assert_stays_paused, in_prefill, wait_prefill_chunks, wait_state, wait_tokens
 
 PROMPT = "Once upon a time the quick brown fox"
 LONG = [(41 * i) % 250 + 20 for i in range(1500)]
@@ -74,8 +74,7 @@ def test_a_pause_lands_in_the_side_prefill_and_the_others_stream_through_it(side
     first = mlx_notebook.generate(PROMPT, model=tiny_model, worker=side_worker, **keep_going)
     wait_tokens(first, 5)
     joiner = mlx_notebook.generate(long, model=tiny_model, worker=side_worker, max_tokens=8, stop_budget=0.01)
-    wait_prefill_chunks(joiner, 2)
-    joiner.pause()
+    in_prefill(joiner, joiner.pause, chunks=2)
     wait_state(joiner, "paused")
     chunks = joiner.stats.prefill_chunks
 
@@ -101,8 +100,7 @@ def test_a_stop_in_the_side_prefill_ends_it_alone_and_the_worker_goes_on(side_wo
     wait_tokens(first, 5)
     long = [(43 * i) % 250 + 20 for i in range(3500)]
     joiner = mlx_notebook.generate(long, model=tiny_model, worker=side_worker, max_tokens=8, stop_budget=0.05)
-    wait_prefill_chunks(joiner, 2)
-    joiner.cancel()
+    in_prefill(joiner, joiner.cancel, chunks=2)
     assert joiner.wait(30) and joiner.state == "stopped" and not joiner.tokens
     assert prefill_threads[-1] == PREFILL_THREAD
     # The other row goes on, and a generation after it runs as it would alone.
