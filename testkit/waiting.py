@@ -117,7 +117,8 @@ def in_prefill(gen: mlx_notebook.Generation, action: Callable[[], Any], chunks: 
     def listener(event: mlx_notebook.GenerationEvent) -> None:
         if called.is_set() or event.kind != "progress" or event.phase != "prefill":
             return
-        if gen.stats.prefill_chunks >= chunks and event.done < event.total:
+        # The prefill feeds all but the last prompt token: ``total - 1`` reported is its end.
+        if gen.stats.prefill_chunks >= chunks and event.done < event.total - 1:
             called.set()
             action()
 
