@@ -611,9 +611,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 k += 1
     gaps = [gap for gap, _, _ in spans]
     # The prefill's gaps of the first row (the others' are the same steps): a long one alone, or the common run.
-    prefill_gaps = sorted(
-        b - a for a, b in zip(clock.times[gens[0].id], clock.times[gens[0].id][1:]) if t_join < b < t_first
-    )
+    first_row = clock.times[gens[0].id]
+    prefill_gaps = sorted(b - a for a, b in zip(first_row, first_row[1:]) if t_join < b < t_first)
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
