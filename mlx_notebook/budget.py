@@ -23,9 +23,17 @@ PREFILL_SHARE = 0.7
 # the step queued behind it.
 DECODE_PIPELINE_SHARE = 0.8
 # While a prompt is prefilled beside decoding rows, their next step runs at a
-# checkpoint once this share of the budget has passed since their last one: their
-# gap between two tokens stays near the budget, and the prefill keeps the rest.
+# checkpoint once this share of the budget has passed since their last one (at least:
+# see the next two): their gap between two tokens stays near the budget, and the
+# prefill keeps the rest.
 OTHERS_STEP_SHARE = 0.5
+# Where their steps are long, the prompt's turn grows to what their gap's bound (a budget
+# and two steps) leaves after the time from a boundary to their token, less this share of
+# the budget (generation/prompt_turn.py) ...
+TURN_MARGIN_SHARE = 0.5
+# ... with that time taken as the longest seen plus this share of a step: a step after a
+# piece ran 1.0-1.3x one before the join (2-core CPU, Qwen3-0.6B shape, session 45).
+TURN_STEP_SLACK = 0.25
 # Weight of the newest decode step in the running step-time average.
 STEP_EMA = 0.2
 # A batch of weights evaluated at load (and a block of a GGUF file converted) is

@@ -412,6 +412,61 @@ def test_the_others_steps_read_after_a_prefill_piece_are_not_timed(worker, tiny_
     assert held and all(held), held
 
 
+def test_a_prompt_fed_in_turn_beside_long_steps_keeps_the_worker_longer_than_half_a_budget(
+    worker, tiny_model, monkeypatch
+):
+    """Where the others' steps are long, a prompt's turn grows to what their gap's bound leaves (prompt_turn).
+
+    With half a budget a turn, a prompt joining rows whose step costs more
+    than the budget (a CPU) got a small share of the machine: 58-67 s to
+    the first token of a 1,000-token prompt of a Qwen3-0.6B shape beside
+    three rows of 300-ms steps, against 13 s alone. Here the others' steps
+    are timed as 200 ms (their budget 40 ms: half of it 20 ms, their bound
+    440 ms); the prompt's pieces take a few ms.
+    """
+    from mlx_notebook.generation import decode_batch, session
+
+    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "0")  # in turn on the worker, as on the CPU by default
+    step_s, budget = 0.2, 0.04
+    turns: list[float] = []  # at each boundary where the others stepped: the time since their last token
+    between, measure = session.Session.between, decode_batch.DecodeBatch._measure
+
+    def spy_between(self) -> None:
+        batches = [b for b in self.batches.values() if b.rows]
+        before = {id(b): b.steps for b in batches}
+        last = min((b.last_step_at for b in batches), default=0.0)
+        now = time.perf_counter()
+        between(self)
+        if batches and any(b.steps != before[id(b)] for b in batches):
+            turns.append(now - last)
+
+    monkeypatch.setattr(session.Session, "between", spy_between)
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_measure", lambda self, seconds: measure(self, step_s))
+    long_prompt = [(37 * i) % 250 + 20 for i in range(3000)]
+    worker.prompt_cache_gb = 0
+    loaded_step = worker.call(lambda store: [m.step_s for m in store.loaded()])
+    try:
+        other = mlx_notebook.generate(
+            PROMPTS[0], model=tiny_model, worker=worker, max_tokens=100_000, stop_budget=budget
+        )
+        wait_tokens(other, 10)  # 8 steps timed as 200 ms by now
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=2, stop_budget=0.01)
+        joiner.result(timeout=120)
+        other.cancel()
+        assert other.wait(60)
+    finally:
+        worker.prompt_cache_gb = 2
+
+        def restore(store) -> None:
+            for m, s in zip(store.loaded(), loaded_step):
+                m.step_s = s
+
+        worker.call(restore)
+    assert len(turns) >= 2, f"the others stepped at {len(turns)} of the prompt's boundaries"
+    # Half a budget is 20 ms; the bound leaves ~370 ms less what a step here takes after a boundary.
+    assert max(turns) > 3 * budget, f"no turn grew past half a budget (ms): {[round(t * 1000) for t in turns]}"
+
+
 def test_a_paused_row_resumes_and_stops_while_a_prompt_is_fed_in_turn(worker, tiny_model, monkeypatch):
     """A resume or a stop of a paused row acts at the joining prompt's next piece, not after its prefill.
 

@@ -54,6 +54,7 @@ from .prefill import prefill
 from .prefill_thread import PrefillThread, SideJob
 from .prefix_cache import PromptCache, common_prefix, restore, storable, trimmed
 from .prompt import prepare_prompt
+from .prompt_turn import PromptTurn
 from .states import State
 from .stats import FinishReason
 from .wired import wired_limit
@@ -174,6 +175,9 @@ class Session:
         self._reserve: batch_cache.Reserve | None = None
         # The prompt being prefilled on the prefill thread, if any.
         self._side: _Side | None = None
+        # The turn of the prompt (or inline call) fed in pieces on this thread now: from its first
+        # boundary to the loop's next step of its own.
+        self._turn: PromptTurn | None = None
 
     # -- the loop -----------------------------------------------------------------
 
@@ -238,6 +242,7 @@ class Session:
         next's is short by however long that reporting took (a 53 ms sample
         among 80-120 ms ones); several batches' steps are timed end to end.
         """
+        self._turn = None  # the prompt fed in turn, if any, has ended
         rows = self._rows_decoding()
         self._step(rows)
         now = time.perf_counter()
@@ -563,9 +568,10 @@ class Session:
         Only for rows that stream already: rows still waiting for their first
         token (generations submitted together) wait until the prompts queued
         with them are prefilled, then all start decoding together, as
-        mlx-lm's batch generator does. And at most one step per half budget:
-        pieces are sized to the budget, so the others' longest gap between
-        two tokens stays about one budget plus one step.
+        mlx-lm's batch generator does. And at most one step per turn of the
+        prompt (:mod:`.prompt_turn`): half a budget where their steps are
+        short, longer where their gap's bound (a budget and two steps) leaves
+        room for it.
         """
         _fit_blas_threads()
         self._interrupt_batches()  # a piece ran since their last read, or runs before their next
@@ -579,8 +585,18 @@ class Session:
             return
         batches = [b for b in self.batches.values() if b.rows or b.ready]
         budget = min(r.pace.budget_s for b in batches for r in b.rows + b.ready)
-        if time.perf_counter() - min(b.last_step_at for b in batches) >= budget * OTHERS_STEP_SHARE:
+        steps = [b.fastest_step_s for b in batches if b.fastest_step_s is not None]
+        if self._turn is None:
+            self._turn = PromptTurn()
+        now, last = time.perf_counter(), min(b.last_step_at for b in batches)
+        if self._turn.boundary_at:
+            self._turn.piece(now - self._turn.boundary_at)
+        if self._turn.due(now - last, budget, min(steps) if steps else None):
             self._step(hold=True)  # their next step waits for the next boundary: not timed as the piece's
+            read = min(b.last_step_at for b in batches)
+            if last and read > now:  # each batch read a token: how long after the boundary fits the next turn
+                self._turn.stepped(read - now)
+        self._turn.boundary_at = time.perf_counter()
 
     def _run_inline_calls(self) -> None:
         """The calls waiting (saves), between two steps: the step after them is not timed."""
