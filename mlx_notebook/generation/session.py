@@ -176,7 +176,7 @@ class Session:
         # The prompt being prefilled on the prefill thread, if any.
         self._side: _Side | None = None
         # The turn of the prompt (or inline call) fed in pieces on this thread now: from its first
-        # boundary to the loop's next step of its own.
+        # boundary to the loop's next pass.
         self._turn: PromptTurn | None = None
 
     # -- the loop -----------------------------------------------------------------
@@ -242,7 +242,6 @@ class Session:
         next's is short by however long that reporting took (a 53 ms sample
         among 80-120 ms ones); several batches' steps are timed end to end.
         """
-        self._turn = None  # the prompt fed in turn, if any, has ended
         rows = self._rows_decoding()
         self._step(rows)
         now = time.perf_counter()
@@ -600,6 +599,7 @@ class Session:
 
     def _run_inline_calls(self) -> None:
         """The calls waiting (saves), between two steps: the step after them is not timed."""
+        self._turn = None  # a save's pieces, or the next prompt's, start a turn of their own
         if self.jobs.run_inline_calls():
             self._interrupt_batches()
 
