@@ -54,7 +54,7 @@ class PromptTurn:
     def __init__(self) -> None:
         self.overhead_s: float | None = None  # the longest time from a boundary to the others' token
         self.turns = 0
-        self.boundary_at = 0.0  # when the last boundary was left (time.perf_counter): the next piece starts there
+        self._left_at = 0.0  # when the last boundary was left (time.perf_counter): the next piece starts there
         self._pieces: deque[float] = deque(maxlen=4)
 
     @staticmethod
@@ -78,6 +78,15 @@ class PromptTurn:
     def piece(self, seconds: float) -> None:
         """A piece of the prompt took ``seconds`` (from one boundary to the next)."""
         self._pieces.append(seconds)
+
+    def reached(self, now: float) -> None:
+        """A boundary came at ``now`` (time.perf_counter): the piece since the last one left is counted."""
+        if self._left_at:
+            self.piece(now - self._left_at)
+
+    def left(self, now: float) -> None:
+        """The boundary is left at ``now``: the next piece starts."""
+        self._left_at = now
 
     def due(self, elapsed_s: float, budget_s: float, step_s: float | None) -> bool:
         """Whether the others step now, ``elapsed_s`` after their last token: the next piece would end past the turn."""

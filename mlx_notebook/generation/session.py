@@ -584,18 +584,16 @@ class Session:
             return
         batches = [b for b in self.batches.values() if b.rows or b.ready]
         budget = min(r.pace.budget_s for b in batches for r in b.rows + b.ready)
-        steps = [b.fastest_step_s for b in batches if b.fastest_step_s is not None]
-        if self._turn is None:
-            self._turn = PromptTurn()
+        steps = [s for b in batches if (s := b.fastest_step_s) is not None]
+        turn = self._turn = self._turn or PromptTurn()
         now, last = time.perf_counter(), min(b.last_step_at for b in batches)
-        if self._turn.boundary_at:
-            self._turn.piece(now - self._turn.boundary_at)
-        if self._turn.due(now - last, budget, min(steps) if steps else None):
+        turn.reached(now)
+        if turn.due(now - last, budget, min(steps, default=None)):
             self._step(hold=True)  # their next step waits for the next boundary: not timed as the piece's
             read = min(b.last_step_at for b in batches)
             if last and read > now:  # each batch read a token: how long after the boundary fits the next turn
-                self._turn.stepped(read - now)
-        self._turn.boundary_at = time.perf_counter()
+                turn.stepped(read - now)
+        turn.left(time.perf_counter())
 
     def _run_inline_calls(self) -> None:
         """The calls waiting (saves), between two steps: the step after them is not timed."""
