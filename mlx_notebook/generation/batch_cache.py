@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import kv_capacity
+from .chunks import KV_STEP
 
 Cache = list[Any]
 # mlx-lm is imported inside the functions: importing it takes ~1.3 s
@@ -144,12 +145,18 @@ class Reserve:
 
 
 def capacity_for(top: int, rows: int) -> int:
-    """Positions a joined cache of ``rows`` rows holds when its longest has ``top``: room for a step at least.
+    """Positions a joined cache of ``rows`` rows holds when its longest has ``top``: room for ``KV_STEP`` steps.
 
     Laid out for the device's decode attention (:func:`.kv_capacity.capacity`):
     on the CPU the next multiple of mlx-lm's ``KVCache.step``, as mlx-lm grows it.
+    With room for only one step, an 8k prompt joining filled its rung at once
+    and the second joined step grew every layer (new buffers and a copy of
+    all rows): on an H100 (Qwen3-8B shape, 8 rows) that step's build held the
+    host 16-17 ms against 6-7 ms later, inside the others' gaps right after
+    the join (``benchmarks/results/h100_admit_probe_session47.log``). The
+    larger buffer is the one the batch would grow into a step later anyway.
     """
-    return kv_capacity.capacity(top + 1, rows)
+    return kv_capacity.capacity(top + 1 + KV_STEP, rows)
 
 
 def _joined(
