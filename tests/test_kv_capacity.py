@@ -89,7 +89,7 @@ def test_make_room_lays_out_a_batch_cache_by_its_written_positions() -> None:
     assert mx.array_equal(batch.keys[..., :40, :], rows) and mx.array_equal(batch.values[..., :40, :], rows + 1)
 
 
-def test_make_room_leaves_quantized_layers_and_the_cpu_alone() -> None:
+def test_make_room_leaves_quantized_layers_and_roomy_buffers_alone() -> None:
     quantized = QuantizedKVCache(group_size=32, bits=8)
     quantized.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
     plain = KVCache()
@@ -98,3 +98,41 @@ def test_make_room_leaves_quantized_layers_and_the_cpu_alone() -> None:
     kv_capacity.make_room([quantized], 1, per_shape=True)
     kv_capacity.make_room([plain], 1, per_shape=False)
     assert quantized.keys is before[0] and plain.keys is before[1]
+
+
+@pytest.mark.parametrize("per_shape", [False, True])
+def test_a_decode_crossing_its_buffers_end_grows_one_layer_a_step(per_shape: bool) -> None:
+    # What DecodeBatch does each step: make room for one position, then the model's write. mlx-lm alone grows
+    # every layer in the step that runs out of room (a copy of the whole cache in one step).
+    layers = 6
+    cache = [BatchKVCache(left_padding=[1, 0]) for _ in range(layers)]
+    prompt = mx.arange(2 * 2 * 240 * 4, dtype=mx.float32).reshape(2, 2, 240, 4)
+    for layer in cache:
+        layer.update_and_fetch(prompt, -prompt)
+    grown_per_step = []
+    written = [prompt]
+    previous: list[mx.array] = []
+    for step in range(1200 - 240):
+        kv_capacity.make_room(cache, 1, per_shape=per_shape)
+        buffers = [layer.keys for layer in cache]
+        token = mx.full((2, 2, 1, 4), float(step))
+        written.append(token)
+        for layer in cache:
+            layer.update_and_fetch(token, -token)
+        # mlx-lm found room in every layer: the write grew nothing.
+        assert all(layer.keys.shape == b.shape for layer, b in zip(cache, buffers)), step
+        if step:  # the first call lays out what the prompt left (on CUDA, off the grid): every layer at once
+            grown_per_step.append(sum(b.shape[2] != p.shape[2] for b, p in zip(buffers, previous)))
+        previous = buffers
+    # A crossing is `layers` steps in a row, a layer each: the first layers first, the last when it must.
+    runs = "".join(map(str, grown_per_step)).split("0")
+    assert [len(r) for r in runs if r] == [layers] * 4, grown_per_step
+    everything = mx.concatenate(written, axis=2)
+    for layer in cache:
+        assert mx.array_equal(layer.keys[..., :1200, :], everything)
+        assert mx.array_equal(layer.values[..., :1200, :], -everything)
+
+
+def test_the_lead_is_below_a_growth_so_every_layer_grows_once_a_crossing() -> None:
+    assert [kv_capacity.lead(i, 4) for i in range(4)] == [3, 2, 1, 0]
+    assert max(kv_capacity.lead(i, 1000) for i in range(1000)) < KV_STEP
