@@ -103,10 +103,17 @@ def make_room(cache: list[Any], n: int, *, per_shape: bool | None = None) -> Non
         if fits(layer.keys.shape[2], needed, rows, per_shape=per):
             continue
         length = capacity(needed, rows, per_shape=per)
-        layer.keys, layer.values = (
-            mx.concatenate([a[..., :used, :], mx.zeros((*a.shape[:2], length - used, a.shape[3]), a.dtype)], axis=2)
-            for a in (layer.keys, layer.values)
-        )
+        layer.keys, layer.values = (grown(a, used, length) for a in (layer.keys, layer.values))
+
+
+def grown(a: Any, n: int, size: int) -> Any:
+    """The first ``n`` positions of ``a`` (axis 2) in a new buffer of ``size`` positions (lazy).
+
+    ``a`` may be a quantized cache's ``(data, scales, biases)``: each is cut and grown alike.
+    """
+    if isinstance(a, (tuple, list)):
+        return tuple(grown(x, n, size) for x in a)
+    return mx.concatenate([a[..., :n, :], mx.zeros((*a.shape[:2], size - n, a.shape[3]), a.dtype)], axis=2)
 
 
 def lead(i: int, layers: int) -> int:
@@ -122,4 +129,4 @@ def _per_shape(per_shape: bool | None) -> bool:
     return builds_kernels_per_shape() if per_shape is None else per_shape
 
 
-__all__ = ["VECTOR_BELOW", "capacity", "fits", "lead", "make_room", "rung"]
+__all__ = ["VECTOR_BELOW", "capacity", "fits", "grown", "lead", "make_room", "rung"]

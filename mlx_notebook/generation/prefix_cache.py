@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..control import Pace
+from . import kv_capacity
 from .batch_cache import Cache, length
 from .chunks import with_room
 from .kv_settings import KVSettings
@@ -262,7 +263,7 @@ def restore(view: Cache, room: int, pace: Pace, *, piece_s: float) -> None:
         t0 = time.perf_counter()
         chunk = layers[i : i + group]
         for layer in chunk:
-            layer.keys, layer.values = (_with_room(a, n, size) for a in (layer.keys, layer.values))
+            layer.keys, layer.values = (kv_capacity.grown(a, n, size) for a in (layer.keys, layer.values))
         mx.eval([layer.state for layer in chunk])
         took = time.perf_counter() - t0
         i += len(chunk)
@@ -278,15 +279,6 @@ def capacity(layer: Any) -> int:
     """Positions ``layer``'s buffers hold (axis 2), written or not."""
     keys = layer.keys[0] if isinstance(layer.keys, (tuple, list)) else layer.keys
     return int(keys.shape[2])
-
-
-def _with_room(a: Any, n: int, size: int) -> Any:
-    """The first ``n`` positions of ``a`` (axis 2) in a new buffer of ``size`` positions."""
-    if isinstance(a, (tuple, list)):  # a quantized cache's (data, scales, biases)
-        return tuple(_with_room(x, n, size) for x in a)
-    shape = list(a.shape)
-    shape[2] = size - n
-    return mx.concatenate([a[..., :n, :], mx.zeros(shape, a.dtype)], axis=2)
 
 
 def _held_bytes(cache: Cache) -> int:
