@@ -171,6 +171,32 @@ def test_the_ladder_runs_each_chunk_on_the_cache_layout_a_prompts_prefill_leaves
         assert worker.shutdown(timeout=30)
 
 
+def test_the_warm_ups_token_ids_stay_inside_the_models_vocabulary(tiny_model, small_ladder, monkeypatch) -> None:
+    # MLX's gather checks no bounds: an id past the embedding's rows reads past its weights. The
+    # ladder fed ids up to 1000 to this 376-token model, and CI's run of 12-06 segfaulted there.
+    import mlx.nn as nn
+
+    seen: list[tuple[int, int]] = []  # (largest id, rows) of every embedding lookup
+    real = nn.Embedding.__call__
+
+    def recording(self, x):
+        seen.append((int(x.max()), self.weight.shape[0]))
+        return real(self, x)
+
+    worker = Worker(prompt_cache_gb=0)
+    try:
+        worker.load_model(tiny_model)
+        loaded = worker.store.loaded()[0]
+        monkeypatch.setattr(nn.Embedding, "__call__", recording)
+        worker.call(lambda store: warm_up.warm(loaded))
+        assert worker.call(lambda store: warm_up.warm_ladder(loaded, lambda: True))
+        assert len(seen) == 2 + 1 + 8 + 4 + 2  # the warm-up's two forwards, the ladder's layout probe and chunks
+        assert max(top for top, _ in seen) > 200  # varied ids, not one
+        assert all(top < rows for top, rows in seen), seen
+    finally:
+        assert worker.shutdown(timeout=30)
+
+
 def test_the_ladder_stops_when_a_job_is_queued_and_takes_up_where_it_left(tiny_model, small_ladder) -> None:
     worker = Worker(prompt_cache_gb=0)
     try:
@@ -202,11 +228,11 @@ def test_an_idle_worker_runs_the_ladder_and_a_generation_queued_meanwhile_goes_f
     ended = threading.Condition()
     results: list[bool] = []
 
-    def held_chunk(model, owner, cache, start, size):
-        if size >= 256 and not release.is_set():
+    def held_chunk(model, owner, cache, ids):
+        if ids.shape[1] >= 256 and not release.is_set():
             in_chunk.set()
             release.wait(DEADLINE_S)  # a ladder chunk still running when the generation is submitted
-        real_chunk(model, owner, cache, start, size)
+        real_chunk(model, owner, cache, ids)
 
     def recording(loaded, keep_going):
         done = real_ladder(loaded, keep_going)

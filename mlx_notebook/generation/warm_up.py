@@ -89,7 +89,7 @@ def warm(loaded: LoadedModel) -> None:
         small_attention.install(model)
     try:
         cache = make_prompt_cache(model)
-        ids = mx.arange(1, FIRST_PREFILL_CHUNK + 1, dtype=mx.uint32)[None]
+        ids = scratch_ids(loaded, 0, FIRST_PREFILL_CHUNK)
         mx.eval(model(ids, cache=cache))
         mx.eval(model(ids[:, -1:], cache=cache))
         # The first fused attention of a process starts cuDNN (60-90 ms; 680 ms
@@ -163,7 +163,7 @@ def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
     start_s, ran = time.perf_counter(), 0
     try:
         # The first layer's cache layout, read off a chunk small enough to run unfused (no graph).
-        _first_layer(model, owner, cache, 0, FIRST_PREFILL_CHUNK)
+        _first_layer(model, owner, cache, scratch_ids(loaded, 0, FIRST_PREFILL_CHUNK))
         keys, values = cache[0].keys, cache[0].values
         assert keys is not None and values is not None  # filled by that chunk
         for start, size in ladder(loaded):
@@ -175,7 +175,7 @@ def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
                 first.keys = mx.zeros((*keys.shape[:2], start, keys.shape[3]), keys.dtype)
                 first.values = mx.zeros((*values.shape[:2], start, values.shape[3]), values.dtype)
                 first.offset = start
-            _first_layer(model, owner, cache, start, size)
+            _first_layer(model, owner, cache, scratch_ids(loaded, start, size))
             loaded.prefill_shapes_seen.add((start, size))
             ran += 1
         log.debug("prefill ladder of %s: %d chunks in %.2f s", loaded.source.key, ran, time.perf_counter() - start_s)
@@ -187,9 +187,21 @@ def warm_ladder(loaded: LoadedModel, keep_going: Callable[[], bool]) -> bool:
         mx.clear_cache()
 
 
-def _first_layer(model: Any, owner: Any, cache: list[Any], start: int, size: int) -> None:
-    """Run ``size`` tokens from ``start`` through the first layer only (the rest is never built)."""
-    ids = (mx.arange(start, start + size, dtype=mx.uint32) % 1000 + 1)[None]
+def scratch_ids(loaded: LoadedModel, start: int, size: int) -> mx.array:
+    """``size`` token ids for a scratch forward (shape ``(1, size)``): varied, and all inside the model's vocabulary.
+
+    An id past the embedding's rows is not an error in MLX: its gather reads
+    past the weights' buffer, garbage on a device and, on the CPU, now and
+    then a segfault (CI's of 12-06: the ladder fed ids up to 1000 to a test
+    model of 376 tokens). Where the config names no vocabulary, every id is 1.
+    """
+    vocab = loaded.config.get("vocab_size")
+    span = min(1000, vocab - 1) if isinstance(vocab, int) and vocab > 1 else 1
+    return (mx.arange(start, start + size, dtype=mx.uint32) % span + 1)[None]
+
+
+def _first_layer(model: Any, owner: Any, cache: list[Any], ids: mx.array) -> None:
+    """Run the tokens ``ids`` through the first layer only (the rest is never built)."""
     with MarkedLayers(owner, per=1, stopped=lambda: True) as marks:
         try:
             model(ids, cache=cache)
@@ -198,4 +210,4 @@ def _first_layer(model: Any, owner: Any, cache: list[Any], start: int, size: int
     mx.eval(marks.marks[0] if marks.marks else cache[0].state)
 
 
-__all__ = ["LADDER_CONTEXT", "LADDER_SIZES", "ladder", "wanted", "warm", "warm_ladder"]
+__all__ = ["LADDER_CONTEXT", "LADDER_SIZES", "ladder", "scratch_ids", "wanted", "warm", "warm_ladder"]
