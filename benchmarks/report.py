@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -130,6 +131,11 @@ def main() -> None:
     args = ap.parse_args()
     for path in args.results:
         result = json.loads(path.read_text())
+        # results/ also holds other benchmarks' files (batching, probes, fault
+        # campaigns), each read in its own docs section: name them and go on.
+        if not (isinstance(result, dict) and "lengths" in result):
+            print(f"skipped {path}: not a benchmarks.bench result (no 'lengths')", file=sys.stderr)
+            continue
         print(tables(result))
         if args.plots:
             for png in plots(result, args.plots, path.stem):
