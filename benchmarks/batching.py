@@ -612,7 +612,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     gaps = [gap for gap, _, _ in spans]
     # The prefill's gaps of the first row (the others' are the same steps): a long one alone, or the common run.
     first_row = clock.times[gens[0].id]
-    prefill_gaps = sorted(b - a for a, b in zip(first_row, first_row[1:]) if t_join < b < t_first)
+    in_prefill = [(b - a, b - t_join) for a, b in zip(first_row, first_row[1:]) if t_join < b < t_first]
+    prefill_gaps = sorted(gap for gap, _ in in_prefill)
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
@@ -640,6 +641,10 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             "count": len(prefill_gaps),
             "p50": round(1000 * statistics.median(prefill_gaps), 1) if prefill_gaps else None,
             "longest": [round(1000 * g, 1) for g in prefill_gaps[::-1][:5]],
+            # Where they fell (ms from the join's submit to the gap's end; the joiner's first token at
+            # joiner_prefill_s): a process's first uses early on, or a chunk's new shape anywhere.
+            "longest_at_ms": [round(1000 * at) for _, at in sorted(in_prefill, reverse=True)[:5]],
+            "first": [round(1000 * gap, 1) for gap, _ in in_prefill[:4]],
         },
         "others_leave_gap_ms": round(1000 * where["leave"], 2),
         "others_step_ms": 1000 * step,
