@@ -9,7 +9,6 @@ is queued, once per model), and a stop of a generation that waits behind it.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -322,42 +321,5 @@ def test_a_failing_idle_warm_up_leaves_the_worker_serving(tiny_model, monkeypatc
         loaded = worker.store.loaded()[0]
         assert loaded.warmed and loaded.kernels_installed and loaded.ladder_warmed  # not tried again
         assert [r for r in caplog.records if "idle warm-up" in r.getMessage() and "injected" in r.getMessage()]
-    finally:
-        assert worker.shutdown(timeout=30)
-
-
-def test_the_prefill_thread_runs_the_models_first_uses_before_the_kernels_are_installed(
-    tiny_model, monkeypatch, caplog
-) -> None:
-    # MLX keeps cuBLAS/cuDNN handles and graphs per thread: the thread that prefills joining prompts pays its
-    # first uses at the idle warm-up, not in the others' gap at a process's first join. It must be done before
-    # the kernels' install swaps the model's layers under it.
-    events: list[tuple[str, str]] = []
-    real_thread, real_install = warm_up.warm_thread, warm_up.install_kernels
-
-    def recording_thread(loaded):
-        real_thread(loaded)
-        events.append(("first uses", threading.current_thread().name))
-
-    def recording_install(loaded):
-        events.append(("install", threading.current_thread().name))
-        real_install(loaded)
-
-    monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
-    monkeypatch.setattr(warm_up, "wanted", lambda: True)
-    monkeypatch.setattr(warm_up, "warm_thread", recording_thread)
-    monkeypatch.setattr(warm_up, "install_kernels", recording_install)
-    caplog.set_level("DEBUG", logger=warm_up.__name__)
-    worker = Worker(prompt_cache_gb=0)
-    try:
-        worker.load_model(tiny_model)
-        worker.call(lambda store: None)  # an idle moment after the warm-up's first step: the kernels' install
-        deadline = time.monotonic() + DEADLINE_S
-        while not any(what == "install" for what, _ in events):
-            assert time.monotonic() < deadline, f"the warm-up did not reach its kernels: {events}"
-            worker.call(lambda store: None)
-        assert events == [("first uses", "mlx-notebook-prefill"), ("install", "mlx-notebook-worker")]
-        assert not [r for r in caplog.records if "failed" in r.getMessage()]  # its forward ran
-        assert greedy_tokens(worker, tiny_model)  # the model serves after it
     finally:
         assert worker.shutdown(timeout=30)

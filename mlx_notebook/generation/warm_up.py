@@ -82,10 +82,23 @@ def warm(loaded: LoadedModel) -> None:
     fails here is left to fail (or not) in a real generation, with its own
     error: the warm-up only logs it.
     """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded.model
     if small_attention.wanted():
-        small_attention.install(loaded.model)
+        small_attention.install(model)
     try:
-        cache = first_forward(loaded)
+        cache = make_prompt_cache(model)
+        ids = scratch_ids(loaded, 0, FIRST_PREFILL_CHUNK)
+        mx.eval(model(ids, cache=cache))
+        mx.eval(model(ids[:, -1:], cache=cache))
+        # The first fused attention of a process starts cuDNN (60-90 ms; 680 ms
+        # on a machine's first process, which compiles its kernels): small
+        # chunks go unfused (see small_attention), so without this it landed
+        # in the first long prompt's first big chunk, and a join stalled the
+        # others' tokens for 780 ms.
+        one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
+        mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
         if cache and isinstance(getattr(cache[0], "keys", None), mx.array):
             _, kv_heads, _, dim = cache[0].keys.shape
             dtype = cache[0].keys.dtype
@@ -98,44 +111,6 @@ def warm(loaded: LoadedModel) -> None:
         mx.synchronize()
     except Exception:  # the generation that meets it reports it
         log.debug("warm-up of %s failed", loaded.source.key, exc_info=True)
-
-
-def first_forward(loaded: LoadedModel) -> list[Any]:
-    """Run ``loaded``'s model over a first chunk and one decode step on a scratch cache, and one fused attention.
-
-    The calling thread's first uses: MLX keeps cuBLAS and cuDNN handles and
-    graphs per thread, so the prefill thread of joining prompts runs this too
-    (:func:`warm_thread`). Returns the scratch cache.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model = loaded.model
-    cache: list[Any] = make_prompt_cache(model)
-    ids = scratch_ids(loaded, 0, FIRST_PREFILL_CHUNK)
-    mx.eval(model(ids, cache=cache))
-    mx.eval(model(ids[:, -1:], cache=cache))
-    # The first fused attention of a process starts cuDNN (60-90 ms; 680 ms
-    # on a machine's first process, which compiles its kernels): small
-    # chunks go unfused (see small_attention), so without this it landed
-    # in the first long prompt's first big chunk, and a join stalled the
-    # others' tokens for 780 ms.
-    one = mx.ones((1, 1, FIRST_PREFILL_CHUNK, 128), dtype=mx.bfloat16)
-    mx.eval(mx.fast.scaled_dot_product_attention(one, one, one, scale=1.0, mask="causal"))
-    return cache
-
-
-def warm_thread(loaded: LoadedModel) -> None:
-    """:func:`first_forward` on the calling thread's stream (the prefill thread's), synchronized; failures only logged.
-
-    Without it a process's first joining prompt paid the prefill thread's
-    first uses inside the others' gap: on session 53's H100 every join that
-    missed budget + 2 steps was a process's first (the second joins 14 of 14).
-    """
-    try:
-        first_forward(loaded)
-        mx.synchronize()
-    except Exception:  # the prompt that meets it reports it
-        log.debug("warm-up of %s on the prefill thread failed", loaded.source.key, exc_info=True)
 
 
 def install_kernels(loaded: LoadedModel) -> None:

@@ -462,7 +462,6 @@ class Worker:
                     if not loaded.warmed:
                         loaded.warmed = True  # once, even if it fails: a real generation reports that
                         warm_up.warm(loaded)
-                        self._warm_prefill_thread(loaded)
                     if not loaded.kernels_installed:
                         if not self._idle():
                             return  # a job came during the first forward: it does not wait for the compile too
@@ -479,17 +478,6 @@ class Worker:
                     type(exc).__name__,
                     exc,
                 )
-
-    def _warm_prefill_thread(self, loaded: LoadedModel) -> None:
-        """Run ``loaded``'s first uses on the prefill thread of joining prompts too, and wait for them.
-
-        Waited for: the kernels installed next swap the model's layers, which
-        that thread's forward must not meet half swapped. A job queued
-        meanwhile waits, as it does for the worker's own first forward.
-        """
-        side = self.prefill_thread()
-        if side is not None:
-            side.submit(lambda stream: warm_up.warm_thread(loaded)).done.wait()
 
     def _fail_queue(self, exc: BaseException) -> None:
         """The thread is ending on ``exc``: close the worker and fail every job still waiting with it."""
