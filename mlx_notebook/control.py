@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 Hook = Callable[[], None]
 
@@ -223,6 +224,10 @@ class Pace:
           now: a piece then finishes its device work before the checkpoint,
           so that their step does not also wait for work queued behind it.
           Default: ``None`` (never).
+        gate: Where given, a piece that finishes its device work for
+          ``shared`` passes its last queued work here instead of waiting for
+          it: the others' step is queued behind that work on the device, and
+          the host builds and queues it meanwhile. Default: ``None`` (wait).
     """
 
     token: CancelToken
@@ -232,6 +237,7 @@ class Pace:
     between: Hook | None = None
     while_paused: Hook | None = None
     shared: Callable[[], bool] | None = None
+    gate: Callable[[Any], None] | None = None
 
     @property
     def requested(self) -> bool:

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 _SIDE = "side"
 _WORKER = "worker"
 
@@ -107,6 +109,8 @@ class DeviceTurns:
         self.piece_s = 0.0
         self._asked_at: float | None = None
         self._closed = False
+        # The prefill thread's hand-over mark: an array its stream computes after the work it left queued (gate()).
+        self._gate: mx.array | None = None
 
     # -- the worker thread ---------------------------------------------------------
 
@@ -129,6 +133,10 @@ class DeviceTurns:
             self._owner = _WORKER
             self._idle = False
             self.counts.worker_turns += 1
+            gate, self._gate = self._gate, None
+        if gate is not None:
+            # The step queued next waits on the device for the prompt's work left queued (a stream wait, not the host).
+            mx.async_eval(mx.depends([mx.zeros((1,), dtype=mx.uint8)], [gate]))
         try:
             yield
         finally:
@@ -171,6 +179,20 @@ class DeviceTurns:
             due = self._hold_passes_slice(now, pieces_ahead=2)
         self._told = due
         return due
+
+    def gate(self, last: mx.array) -> None:
+        """At a hand-over, the prefill thread leaves ``last`` (its newest queued work) on the device, undrained.
+
+        The worker's next step is queued behind it on the device: its stream
+        waits for a mark this thread's stream computes after ``last``, so the
+        host builds and queues the step while the prompt's groups finish, and
+        the device runs them one after the other, not interleaved. A mark of
+        its own, not ``last``: only the worker touches it from here on.
+        """
+        mark = mx.depends([mx.zeros((1,), dtype=mx.uint8)], [last])[0]
+        mx.async_eval(mark)
+        with self._cond:
+            self._gate = mark
 
     def side_checkpoint(self, requested: Callable[[], bool]) -> None:
         """At a checkpoint of the prompt: hand the device over when due, and take it back after one of the others' steps.

@@ -220,8 +220,12 @@ class LayerRunner:
         # Others' decode step may run in the checkpoint: it would wait for
         # every group queued before it, so then none stays queued. Asked again
         # after each wait: the others' turn may come while a group finishes.
-        shared = self.pace.shared
+        shared, gate = self.pace.shared, self.pace.gate
         while self._in_flight and (len(self._in_flight) > self.max_in_flight or (shared is not None and shared())):
+            if gate is not None and len(self._in_flight) <= self.max_in_flight:
+                # Their step goes on the device behind these groups, not behind this thread's wait for them.
+                gate(self._in_flight[-1])
+                break
             mx.eval(self._in_flight.pop(0))
         # The checkpoint may run other generations' decode steps (and a pause
         # blocks in it): they see the real layers, and their time and the

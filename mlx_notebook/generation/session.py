@@ -68,6 +68,9 @@ IDLE_WAIT_S = 0.5
 # A joining prompt on the prefill thread hands the device over before its hold would pass its slice (DeviceTurns'
 # ``ahead``). Off until a device measures it (benchmarks/results/join_handover_probe_session38.py.txt sets it).
 TURNS_AHEAD = False
+# A joining prompt on the prefill thread hands the device over with its last groups still queued, the others' step
+# queued behind them on the device (DeviceTurns.gate), not after this thread waited for them.
+TURNS_GATED = True
 
 
 class Jobs(Protocol):
@@ -346,6 +349,8 @@ class Session:
                 # Its checkpoints take the device in turns with the others' steps, its work drained when it hands over.
                 pace.between = lambda: turns.side_checkpoint(lambda: pace.requested)
                 pace.shared = turns.due
+                if TURNS_GATED:
+                    pace.gate = turns.gate
             return pace
         hooks = _PauseHooks(reporter, stream, release=self._drop_reserve)
         return Pace(
