@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import mlx.core as mx
+
 import mlx_notebook
 from mlx_notebook.generation import session as session_module
 from mlx_notebook.generation.device_turns import DeviceTurns
@@ -213,3 +215,25 @@ def test_a_prompt_joining_on_the_prefill_thread_takes_the_device_in_turns(side_w
     assert len(made) == 1
     counts = made[0].counts
     assert counts.side_turns >= 2 and counts.worker_turns >= 2, counts
+    # Its hand-overs left its last layer groups queued, the others' steps queued behind them on the device.
+    assert session_module.TURNS_GATED and counts.side_gates >= 1, counts
+
+
+def test_a_gated_hand_over_is_taken_by_the_next_step_of_the_others_once():
+    # The prompt's thread leaves its last queued work (here a product on its own stream) at a hand-over; the
+    # worker's next turn queues a wait on that work's mark on its stream, then drops it: the turn after is free.
+    turns = DeviceTurns(slice_s=0.0, worker_wait_s=1.0, side_wait_s=1.0)
+    side = mx.new_stream(mx.default_device())
+    with mx.stream(side):
+        last = mx.ones((256, 256)) @ mx.ones((256, 256))
+        mx.async_eval(last)
+        turns.gate(last)
+    assert turns.counts.side_gates == 1 and turns._gate is not None
+    with turns.worker_turn():
+        step = mx.sum(mx.ones((4,)))
+        mx.eval(step)
+    assert turns._gate is None and step.item() == 4.0
+    with turns.worker_turn():
+        pass
+    assert turns.counts.worker_turns == 2 and turns.counts.side_gates == 1
+    assert last[0, 0].item() == 256.0  # the prompt's work itself is untouched by the wait on its mark

@@ -346,7 +346,8 @@ class Session:
             hooks = _PauseHooks(reporter, stream, release=release)
             pace = Pace(gen.token, gen.request.stop_budget, on_pause=hooks.on_pause, on_resume=hooks.on_resume)
             if turns is not None:
-                # Its checkpoints take the device in turns with the others' steps, its work drained when it hands over.
+                # Its checkpoints take the device in turns with the others' steps; it hands over with its work
+                # drained, or (gated) left queued with their step queued behind it on the device.
                 pace.between = lambda: turns.side_checkpoint(lambda: pace.requested)
                 pace.shared = turns.due
                 if TURNS_GATED:
