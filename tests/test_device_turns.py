@@ -2,8 +2,9 @@
 
 Two plain threads play the two sides (no MLX: what is tested is the hand-over),
 each marking when it holds the device; a real join through the library, with
-the prefill thread forced on the CPU, checks the wiring. Every wait here has
-a deadline.
+the prefill thread forced on the CPU, checks the wiring, and a product on a
+second MLX stream the gated hand-over's one use. Every wait here has a
+deadline.
 """
 
 from __future__ import annotations

@@ -218,8 +218,10 @@ class LayerRunner:
         mx.async_eval(hidden)
         self._in_flight.append(hidden)
         # Others' decode step may run in the checkpoint: it would wait for
-        # every group queued before it, so then none stays queued. Asked again
-        # after each wait: the others' turn may come while a group finishes.
+        # every group queued before it, so then none stays queued, or (the
+        # pace's gate) they stay queued and the step is queued behind them on
+        # the device. Asked again after each wait: the others' turn may come
+        # while a group finishes.
         shared, gate = self.pace.shared, self.pace.gate
         while self._in_flight and (len(self._in_flight) > self.max_in_flight or (shared is not None and shared())):
             if gate is not None and len(self._in_flight) <= self.max_in_flight:

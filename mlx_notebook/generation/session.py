@@ -69,7 +69,8 @@ IDLE_WAIT_S = 0.5
 # ``ahead``). Off until a device measures it (benchmarks/results/join_handover_probe_session38.py.txt sets it).
 TURNS_AHEAD = False
 # A joining prompt on the prefill thread hands the device over with its last groups still queued, the others' step
-# queued behind them on the device (DeviceTurns.gate), not after this thread waited for them.
+# queued behind them on the device (DeviceTurns.gate), not after this thread waited for them: on an H100 the joiner's
+# first token came 0.91x as late, the others' longest gap alike (session 53, docs/benchmarks.md).
 TURNS_GATED = True
 
 
