@@ -541,7 +541,7 @@ def step_profile(worker, name, prompts, max_tokens, budget):
     }
 
 
-def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=12):
+def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=12, quiet_s=0.0):
     """Others' longest inter-token gap while a long prompt prefills and joins, and where it fell.
 
     The joiner decodes ``after_tokens`` tokens with the others, so the window
@@ -555,12 +555,22 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     (``others_leave_gap_ms``), and the others are cancelled only once each
     has its token after it. Counted with the join, it read as a 16-2,132 ms
     "join" gap on session 43's H100, with the joiner decoding 48 tokens.
+
+    ``quiet_s``: the others decode that long alone before the join, and
+    their longest gap then is reported (``others_quiet_gaps_ms``): the
+    machine's own hiccups, the yardstick for a long join gap. Session 54's
+    H100 missed 24 of 26 joins with gaps of 35-63 ms in every phase, the
+    ones after the join (no prompt's thread running) included, and its
+    steps 8-16 ms where session 53's were 8-9.
     """
     gens = [
         mlx_notebook.generate(p, model=name, worker=worker, max_tokens=100_000, stop_budget=budget) for p in prompts
     ]
     clock = TokenClock(gens)
     wait_decoding(gens, 8)
+    t_quiet = time.perf_counter()
+    while time.perf_counter() - t_quiet < quiet_s:
+        time.sleep(0.005)  # a window measured, not an event waited for
     tracer = Trace()
     with GcPauses() as pauses, tracer if trace else contextlib.nullcontext(), JoinTurns() as turns:
         joiner = mlx_notebook.generate(join_ids, model=name, worker=worker, max_tokens=after_tokens, stop_budget=budget)
@@ -610,6 +620,9 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 by_index[k].append(b - a)
                 k += 1
     gaps = [gap for gap, _, _ in spans]
+    quiet = sorted(
+        b - a for g in gens for a, b in zip(clock.times[g.id], clock.times[g.id][1:]) if t_quiet <= a and b < t_join
+    )
     # The prefill's gaps of the first row (the others' are the same steps): a long one alone, or the common run.
     first_row = clock.times[gens[0].id]
     in_prefill = [(b - a, b - t_join) for a, b in zip(first_row, first_row[1:]) if t_join < b < t_first]
@@ -647,6 +660,12 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             "first": [round(1000 * gap, 1) for gap, _ in in_prefill[:4]],
         },
         "others_leave_gap_ms": round(1000 * where["leave"], 2),
+        "others_quiet_gaps_ms": {
+            "window_s": round(t_join - t_quiet, 3),
+            "count": len(quiet),
+            "p50": round(1000 * statistics.median(quiet), 1) if quiet else None,
+            "longest": [round(1000 * g, 1) for g in quiet[::-1][:3]],
+        },
         "others_step_ms": 1000 * step,
         "others_step_after_join_ms": 1000 * step_after,
         "others_steps_after_join_ms": [round(1000 * statistics.median(gaps), 2) for gaps in by_index],
@@ -822,6 +841,12 @@ def main() -> None:
         default="",
         help="comma list of parts to skip: solo,together,batch,stop,profile,join,join_stop,cached_stop,prefix",
     )
+    ap.add_argument(
+        "--join-quiet",
+        type=float,
+        default=1.0,
+        help="seconds the others decode alone before the join: their longest gap then is the machine's yardstick",
+    )
     ap.add_argument("--trace", action="store_true", help="print what the worker did in the longest join gap")
     ap.add_argument(
         "--ladder-first",
@@ -963,6 +988,7 @@ def main() -> None:
                 args.budget,
                 trace=args.trace,
                 after_tokens=args.join_after_tokens,
+                quiet_s=args.join_quiet,
             )
             result[key]["ladder_chunks_left"] = left
             print(json.dumps(result[key]), flush=True)

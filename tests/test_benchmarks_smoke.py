@@ -110,7 +110,7 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
 
     prompts = ["Once upon a time the quick brown fox"] * 2
     join_ids = [(41 * i) % 250 + 20 for i in range(1500)]
-    result = join_gap(side_worker, tiny_model, prompts, join_ids, budget=0.02, after_tokens=3)
+    result = join_gap(side_worker, tiny_model, prompts, join_ids, budget=0.02, after_tokens=3, quiet_s=0.3)
     turns = result["turns"]
     assert turns is not None, "the prompt did not join on the prefill thread"
     assert turns["side_turns"] >= 2 and turns["worker_turns"] >= 2, turns
@@ -121,6 +121,9 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
     assert 1 <= len(after) <= 6 and all(ms > 0 for ms in after), after
     # The gap over the joiner's leave is read apart from the join's: every other row had a token after it.
     assert result["others_leave_gap_ms"] > 0, result
+    # The others' gaps while they decoded alone before it: the machine's yardstick for a long join gap.
+    quiet = result["others_quiet_gaps_ms"]
+    assert quiet["window_s"] >= 0.3 and quiet["count"] >= 1 and quiet["longest"][0] >= quiet["p50"] > 0, quiet
 
 
 def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_failed(tiny_model, monkeypatch):
