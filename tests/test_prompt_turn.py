@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mlx_notebook.budget import OTHERS_STEP_SHARE, TURN_MARGIN_SHARE, TURN_STEP_SLACK
-from mlx_notebook.generation.prompt_turn import SEEN_BEFORE_GROWING, PromptTurn
+from mlx_notebook.generation.prompt_turn import OVERHEAD_WINDOW, SEEN_BEFORE_GROWING, PromptTurn
 
 BUDGET = 0.1
 FLOOR = BUDGET * OTHERS_STEP_SHARE
@@ -25,7 +25,7 @@ def test_the_first_turn_and_a_turn_without_a_timed_step_are_half_a_budget():
     assert turn.length(BUDGET, None) == pytest.approx(FLOOR)
 
 
-def test_long_steps_give_the_turn_what_their_bound_leaves_after_the_longest_overhead_seen():
+def test_long_steps_give_the_turn_what_their_bound_leaves_after_the_longest_recent_overhead():
     step = 0.3
     left = BUDGET + 2 * step - BUDGET * TURN_MARGIN_SHARE - step * TURN_STEP_SLACK
     turn = PromptTurn()
@@ -37,6 +37,28 @@ def test_long_steps_give_the_turn_what_their_bound_leaves_after_the_longest_over
     assert turn.length(BUDGET, step) == pytest.approx(left - 0.38)
     turn.stepped(0.45)  # a longer one shrinks it at once
     assert turn.length(BUDGET, step) == pytest.approx(left - 0.45)
+    for _ in range(OVERHEAD_WINDOW - 1):
+        turn.stepped(0.30)
+    assert turn.length(BUDGET, step) == pytest.approx(left - 0.45)  # still among the last steps counted
+    turn.stepped(0.30)  # the 0.45 aged out: a slow start does not keep the turn short
+    assert turn.length(BUDGET, step) == pytest.approx(left - 0.30)
+
+
+def test_a_slow_start_ages_out_and_a_growing_cost_is_tracked_at_once():
+    """A process's first join on the CPU (session 54): ~22 slow steps after pieces, then faster ones that
+    grow with the prompt. The turn grows once the slow ones aged out, and shrinks with each longer step."""
+    step = 0.09
+    turn = PromptTurn()
+    turn.stepped(0.2)  # queued before the prompt: not counted
+    for _ in range(22):
+        turn.stepped(0.16)
+    early = turn.length(BUDGET, step)
+    for i in range(OVERHEAD_WINDOW):
+        turn.stepped(0.10 + 0.0001 * i)
+    grown = turn.length(BUDGET, step)
+    assert grown > early + 0.05, (early, grown)
+    turn.stepped(0.13)
+    assert turn.length(BUDGET, step) == pytest.approx(grown - (0.13 - (0.10 + 0.0001 * (OVERHEAD_WINDOW - 1))))
 
 
 def test_the_others_step_where_the_next_piece_would_end_past_the_turn():

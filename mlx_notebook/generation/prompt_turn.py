@@ -23,9 +23,16 @@ So the turn is fitted to what the gaps show, and a piece does not pass it:
   guess), so the turn's own time stays within it;
 - each step the session runs at a boundary (but the first, queued before the
   prompt began) gives the time from that boundary to the others' token:
-  their step after a piece, and whatever else ran. The
-  largest seen for this prompt, plus a quarter of a step for a slower one
-  not seen yet, is the overhead;
+  their step after a piece, and whatever else ran. The largest of the last
+  ``OVERHEAD_WINDOW`` such times, plus a quarter of a step for a slower one
+  not seen yet, is the overhead. The largest of the whole prompt kept a
+  process's first join at half a budget throughout: its first ~22 steps
+  after a piece ran ~160 ms, the rest ~100-130, and a 3,000-token prompt of
+  the default model beside three rows took 118-124 s to its first token
+  against 61-81 s for the process's second (session 54, 2-core CPU). With
+  the window its first token came in 69-75 s, first join or second (before,
+  alternated: 121-125 s first, 82 and 120 second), the others' longest gap
+  no longer (3 of 4 joins within the bound against 2 of 4);
 - the next turn is what the bound leaves after that overhead, less half a
   budget, and never less than half a budget, the turn before this module;
   it keeps half a budget until three steps were seen at boundaries.
@@ -47,15 +54,25 @@ from ..budget import OTHERS_STEP_SHARE, TURN_MARGIN_SHARE, TURN_STEP_SLACK
 # 37-ms ones, three rows of a Qwen3-0.6B shape on 2 cores).
 SEEN_BEFORE_GROWING = 3
 
+# Steps at boundaries the overhead is the longest of: a slow start or one stall ages out of
+# it after this many (a few seconds of a CPU join), while a cost that grows with the
+# prompt's length is tracked at once (each new step is in the window).
+OVERHEAD_WINDOW = 32
+
 
 class PromptTurn:
     """The turn of one prompt fed in turn (or one inline call run in pieces): fitted to the others' gaps."""
 
     def __init__(self) -> None:
-        self.overhead_s: float | None = None  # the longest time from a boundary to the others' token
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # from a boundary to the others' token
         self.turns = 0
         self._left_at = 0.0  # when the last boundary was left (time.perf_counter): the next piece starts there
         self._pieces: deque[float] = deque(maxlen=4)
+
+    @property
+    def overhead_s(self) -> float | None:
+        """The longest time from a boundary to the others' token of the last steps counted."""
+        return max(self._overheads, default=None)
 
     @staticmethod
     def floor(budget_s: float) -> float:
@@ -104,7 +121,7 @@ class PromptTurn:
         self.turns += 1
         if self.turns == 1:
             return
-        self.overhead_s = overhead_s if self.overhead_s is None else max(self.overhead_s, overhead_s)
+        self._overheads.append(overhead_s)
 
 
 __all__ = ["PromptTurn"]
