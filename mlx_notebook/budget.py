@@ -31,8 +31,9 @@ OTHERS_STEP_SHARE = 0.5
 # and two steps) leaves after the time from a boundary to their token, less this share of
 # the budget (generation/prompt_turn.py) ...
 TURN_MARGIN_SHARE = 0.5
-# ... with that time taken as the longest seen plus this share of a step: a step after a
-# piece ran 1.0-1.3x one before the join (2-core CPU, Qwen3-0.6B shape, session 45).
+# ... with that time taken as the longest of the last steps (prompt_turn.OVERHEAD_WINDOW)
+# plus this share of a step: a step after a piece ran 1.0-1.3x one before the join (2-core
+# CPU, Qwen3-0.6B shape, session 45).
 TURN_STEP_SLACK = 0.25
 # Weight of the newest decode step in the running step-time average.
 STEP_EMA = 0.2
