@@ -144,7 +144,7 @@ class DeviceTurns:
             gate, self._gate = self._gate, None
         if gate is not None:
             # The step queued next waits on the device for the prompt's work left queued (a stream wait, not the host).
-            mx.async_eval(mx.depends([mx.zeros((1,), dtype=mx.uint8)], [gate]))
+            mx.async_eval(_after(gate))
         try:
             yield
         finally:
@@ -197,7 +197,7 @@ class DeviceTurns:
         the device runs them one after the other, not interleaved. A mark of
         its own, not ``last``: only the worker touches it from here on.
         """
-        mark = mx.depends([mx.zeros((1,), dtype=mx.uint8)], [last])[0]
+        mark = _after(last)
         mx.async_eval(mark)
         with self._cond:
             self._gate = mark
@@ -274,3 +274,8 @@ class DeviceTurns:
                 self._hand_over()
             self._owner = None
             self._cond.notify_all()
+
+
+def _after(work: mx.array) -> mx.array:
+    """A one-byte array computed after ``work`` on the stream it is evaluated on (a wait, not a copy)."""
+    return mx.depends([mx.zeros((1,), dtype=mx.uint8)], [work])[0]
