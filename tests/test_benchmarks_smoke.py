@@ -166,3 +166,38 @@ def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_faile
         assert warm_up.ladder(loaded) and loaded.ladder_warmed and waited < 60
     finally:
         assert worker.shutdown(timeout=60)
+
+
+def test_host_stalls_counts_a_step_held_past_the_factor_as_a_stall(monkeypatch):
+    # The machine's yardstick (session 55): a step held up by something outside it is
+    # counted, with its length and when it came; steps of the median are not.
+    from benchmarks import host_stalls
+
+    step = host_stalls.Step(dim=64, layers=2, rows=2)
+    median_ms = step.calibrate(step_ms=1.0)
+    calls = {"n": 0}
+
+    def held_once() -> float:
+        calls["n"] += 1
+        if calls["n"] == 20:
+            time.sleep(max(0.02, 4 * median_ms / 1000))  # the host's stall, inside one step
+        return step()
+
+    result = host_stalls.steps(held_once, seconds=0.3)
+    assert result["count"] >= 20
+    assert result["stalls"] >= 1, result
+    assert result["longest_ms_at_s"][0][0] >= 20, result
+    assert result["p50_ms"] < result["longest_ms_at_s"][0][0] / host_stalls.STALL_FACTOR
+
+
+def test_host_stalls_runs_on_the_cpu(tmp_path, monkeypatch):
+    from benchmarks import host_stalls
+
+    out = tmp_path / "host.json"
+    argv = ["host_stalls", "--seconds", "0.3", "--dim", "64", "--layers", "2", "--step-ms", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    host_stalls.main()
+    result = json.loads(out.read_text())
+    assert result["steps"]["count"] > 10
+    assert result["sleeps"]["count"] > 10
+    assert result["calibrated_step_ms"] > 0
