@@ -357,6 +357,58 @@ def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tin
     assert first.tokens == first_alone  # its rows were copied into the reserved buffers
 
 
+def test_a_layer_of_the_joins_buffers_is_queued_after_the_others_step_not_inside_their_gap(
+    worker, tiny_model, reserves, monkeypatch
+):
+    """At a boundary of a prompt fed in turn, the others' step comes first, then a layer of the reserve.
+
+    Queued before their step, the layer's zeroed buffers ran inside their gap:
+    on a process's first join, new memory, ~70 ms a boundary (session 55, the
+    default model on 2 cores). After it, they run before the prompt's next
+    piece and are timed as the prompt's.
+    """
+    from mlx_notebook.generation import batch_cache, decode_batch, prompt_turn, session
+
+    events: list[str] = []
+    between, advance, step = session.Session.between, batch_cache.Reserve.advance, decode_batch.DecodeBatch.step
+
+    def spy_between(self):
+        events.append("boundary")
+        between(self)
+
+    def spy_advance(self, layers=1):
+        events.append("advance")
+        advance(self, layers)
+
+    def spy_step(self, hold=False):
+        events.append("step" if hold else "loop step")
+        step(self, hold)
+
+    monkeypatch.setattr(session.Session, "between", spy_between)
+    monkeypatch.setattr(batch_cache.Reserve, "advance", spy_advance)
+    monkeypatch.setattr(decode_batch.DecodeBatch, "step", spy_step)
+    # Their step at every boundary: the tiny model's four layers are reserved at the prompt's first four.
+    monkeypatch.setattr(prompt_turn.PromptTurn, "due", lambda self, *args: True)
+    _, taken = reserves
+    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
+    worker.prompt_cache_gb = 0
+    try:
+        first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600)
+        wait_tokens(first, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4)
+        joiner.result(timeout=120)
+        first.cancel()
+        first.wait(timeout=60)
+    finally:
+        worker.prompt_cache_gb = 2
+    assert joiner.stats.batch_size == 2, "the long prompt never joined the decoding row"
+    assert taken and taken[0][1] == taken[0][0] > 0, taken  # every layer reserved, then used
+    boundaries = " ".join(events).split("boundary")[1:]
+    both = [b.split() for b in boundaries if "step" in b.split() and "advance" in b.split()]
+    assert both, boundaries  # boundaries where the others stepped and a layer was reserved
+    assert all(b.index("step") < b.index("advance") for b in both), both
+
+
 def test_the_others_steps_read_after_a_prefill_piece_are_not_timed(worker, tiny_model, monkeypatch):
     """A prompt fed in turn between the others' steps: their step time leaves its pieces out, and theirs stay out of its.
 

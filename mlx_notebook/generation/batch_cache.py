@@ -98,7 +98,10 @@ class Reserve:
     4-5 ms into buffers allocated ahead (``benchmarks/results/
     h200_admit_*_session19.log``). The session allocates a layer's buffers
     at each checkpoint of the joining prompt's prefill (:meth:`advance`), so
-    the others' gaps each hold a sliver of it, not all of it in one step.
+    the others' gaps each hold a sliver of it, not all of it in one step. A
+    prompt fed in turn on the worker (the CPU, Apple GPUs) queues its sliver
+    after their step at that checkpoint, so it runs before the prompt's next
+    piece and is timed as the prompt's (:meth:`.Session.between`).
 
     Args:
         batch: The batch's cache now (its layers' head counts, sizes, dtype).
