@@ -27,6 +27,7 @@ from __future__ import annotations
 import mlx_notebook  # noqa: F401  # isort: skip  (before mlx: OpenBLAS must be loaded first)
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -46,8 +47,8 @@ def steal_seconds() -> float | None:
     """The CPUs' total steal time so far, in seconds (``None`` where ``/proc/stat`` has no steal column)."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
-        return int(fields[8]) / 100.0  # USER_HZ is 100 on Linux
-    except (OSError, IndexError, ValueError):
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, AttributeError):
         return None
 
 

@@ -398,7 +398,7 @@ def test_a_layer_of_the_joins_buffers_is_queued_after_the_others_step_not_inside
         joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4)
         joiner.result(timeout=120)
         first.cancel()
-        first.wait(timeout=60)
+        assert first.wait(timeout=60), "the decoding row did not end within 60 s of its cancel"
     finally:
         worker.prompt_cache_gb = 2
     assert joiner.stats.batch_size == 2, "the long prompt never joined the decoding row"

@@ -168,7 +168,7 @@ def test_the_join_benchmark_waits_for_the_idle_ladder_and_not_for_one_that_faile
         assert worker.shutdown(timeout=60)
 
 
-def test_host_stalls_counts_a_step_held_past_the_factor_as_a_stall(monkeypatch):
+def test_host_stalls_counts_a_step_held_past_the_factor_as_a_stall():
     # The machine's yardstick (session 55): a step held up by something outside it is
     # counted, with its length and when it came; steps of the median are not.
     from benchmarks import host_stalls

@@ -27,7 +27,9 @@ So the turn is fitted to what the gaps show, and a piece does not pass it:
   ``OVERHEAD_WINDOW`` such times, plus a quarter of a step for a slower one
   not seen yet, is the overhead. The largest of the whole prompt kept a
   process's first join at half a budget throughout: its first ~22 steps
-  after a piece ran ~160 ms, the rest ~100-130, and a 3,000-token prompt of
+  after a piece ran ~160 ms (a layer of the join's buffers zeroed in their
+  gap, on new memory: queued after their step since session 55), the rest
+  ~100-130, and a 3,000-token prompt of
   the default model beside three rows took 118-124 s to its first token
   against 61-81 s for the process's second (session 54, 2-core CPU). With
   the window its first token came in 69-75 s, first join or second (before,
