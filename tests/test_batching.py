@@ -409,6 +409,64 @@ def test_a_layer_of_the_joins_buffers_is_queued_after_the_others_step_not_inside
     assert all(b.index("step") < b.index("advance") for b in both), both
 
 
+def test_the_others_step_at_a_boundary_runs_on_openblass_count_for_their_rows_and_the_piece_on_its_own(
+    worker, tiny_model, monkeypatch
+):
+    """At a boundary of a prompt fed in turn: the others' step fitted to their rows, the next piece to one.
+
+    Fitted for one row, their step ran on a prefill piece's thread count: on
+    a CPU where one thread wins for a step of several rows (a Zen 4: 4 rows
+    of the default model 74 ms on one thread, 88 on two) every step of theirs
+    during a join paid it.
+    """
+    from mlx_notebook.generation import decode_batch, pieces, prompt_turn, session
+
+    events: list[str] = []
+    fit, step, run = session.fit_to_load, decode_batch.DecodeBatch.step, pieces.LayerRunner.run
+
+    def spy_fit(rows=1):
+        events.append(f"fit{rows}")
+        return fit(rows)
+
+    def spy_step(self, hold=False):
+        events.append("step" if hold else "loop step")
+        step(self, hold)
+
+    def spy_run(self, *args, **kwargs):
+        events.append("piece")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(session, "fit_to_load", spy_fit)
+    monkeypatch.setattr(decode_batch.DecodeBatch, "step", spy_step)
+    monkeypatch.setattr(pieces.LayerRunner, "run", spy_run)
+    monkeypatch.setattr(prompt_turn.PromptTurn, "due", lambda self, *args: True)  # their step at every boundary
+    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
+    worker.prompt_cache_gb = 0
+    try:
+        others = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=600) for p in PROMPTS[:2]]
+        for gen in others:
+            wait_tokens(gen, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4)
+        joiner.result(timeout=120)
+        for gen in others:
+            gen.cancel()
+        for gen in others:
+            assert gen.wait(timeout=60), "a decoding row did not end within 60 s of its cancel"
+    finally:
+        worker.prompt_cache_gb = 2
+    assert joiner.stats.batch_size == 3, "the long prompt never joined the two decoding rows"
+    held_steps = [i for i, e in enumerate(events) if e == "step"]
+    assert held_steps, "the others never stepped at a boundary of the prompt"
+    for i in held_steps:
+        fits = [e for e in events[:i] if e.startswith("fit")]
+        assert fits[-1] == "fit2", events[max(0, i - 6) : i + 1]  # their step on the count for two rows
+    pieces_after = [i for i, e in enumerate(events) if e == "piece" and i > held_steps[0]]
+    assert pieces_after, "no piece of the prompt came after the others' first boundary step"
+    for i in pieces_after:
+        fits = [e for e in events[:i] if e.startswith("fit")]
+        assert fits[-1] == "fit1", events[max(0, i - 6) : i + 1]  # the piece on a prefill's count
+
+
 def test_the_others_steps_read_after_a_prefill_piece_are_not_timed(worker, tiny_model, monkeypatch):
     """A prompt fed in turn between the others' steps: their step time leaves its pieces out, and theirs stay out of its.
 
