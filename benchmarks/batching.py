@@ -626,6 +626,10 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     first_row = clock.times[gens[0].id]
     in_prefill = [(b - a, b - t_join) for a, b in zip(first_row, first_row[1:]) if t_join < b < t_first]
     prefill_gaps = sorted(gap for gap, _ in in_prefill)
+    # The prefill phase's last gap: the joining row merges (the admit ahead) beside the others' step in it. On a
+    # quiet H100 (session 56) it was a first join's longest in 6 of 8.
+    before_admit = [span for span in spans if span[2] < t_first and not (abs(span[2] - t_first) < 0.002)]
+    pre_admit = max(before_admit, key=lambda span: span[2]) if before_admit else None
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
     if trace:
@@ -638,6 +642,8 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
                 continue  # the same gap of another row
             shown.append(a)
             print(f"gap {1000 * gap:.1f} ms:", " | ".join(tracer.around(a, b)), flush=True)
+        if pre_admit is not None:  # the prefill's last, where the admit ahead runs beside their step
+            print(f"pre-admit gap {1000 * pre_admit[0]:.1f} ms:", " | ".join(tracer.around(*pre_admit[1:])), flush=True)
         if admit is not None:  # the admit's own, longest or not
             print(f"admit gap {1000 * admit[0]:.1f} ms:", " | ".join(tracer.around(*admit[1:])), flush=True)
         if leave is not None:
@@ -658,6 +664,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
             "longest_at_ms": [round(1000 * at) for _, at in sorted(in_prefill, reverse=True)[:5]],
             "first": [round(1000 * gap, 1) for gap, _ in in_prefill[:4]],
         },
+        "others_pre_admit_gap_ms": round(1000 * pre_admit[0], 2) if pre_admit is not None else None,
         "others_leave_gap_ms": round(1000 * where["leave"], 2),
         "others_quiet_gaps_ms": {
             "window_s": round(t_join - t_quiet, 3),

@@ -121,6 +121,8 @@ def test_join_benchmark_reports_the_turns_of_a_prompt_joining_on_the_prefill_thr
     assert 1 <= len(after) <= 6 and all(ms > 0 for ms in after), after
     # The gap over the joiner's leave is read apart from the join's: every other row had a token after it.
     assert result["others_leave_gap_ms"] > 0, result
+    # The prefill's last gap, where the joining row merges beside their step: one of the prefill phase's.
+    assert 0 < result["others_pre_admit_gap_ms"] <= result["others_max_gap_ms"], result
     # The others' gaps while they decoded alone before it: the machine's yardstick for a long join gap.
     quiet = result["others_quiet_gaps_ms"]
     assert quiet["window_s"] >= 0.3 and quiet["count"] >= 1 and quiet["longest"][0] >= quiet["p50"] > 0, quiet
