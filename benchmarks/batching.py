@@ -628,7 +628,7 @@ def join_gap(worker, name, prompts, join_ids, budget, trace=False, after_tokens=
     prefill_gaps = sorted(gap for gap, _ in in_prefill)
     # The prefill phase's last gap: the joining row merges (the admit ahead) beside the others' step in it. On a
     # quiet H100 (session 56) it was a first join's longest in 6 of 8.
-    before_admit = [span for span in spans if span[2] < t_first and not (abs(span[2] - t_first) < 0.002)]
+    before_admit = [span for span in spans if span[2] <= t_first - 0.002]  # ends 2 ms or more before: not the admit's
     pre_admit = max(before_admit, key=lambda span: span[2]) if before_admit else None
     step = statistics.median(steps)
     step_after = statistics.median(after[-8 * len(gens) :]) if after else float("nan")
