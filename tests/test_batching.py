@@ -357,6 +357,25 @@ def test_a_long_joiner_lands_in_buffers_allocated_during_its_prefill(worker, tin
     assert first.tokens == first_alone  # its rows were copied into the reserved buffers
 
 
+def _long_prompt_joins(worker, model, prompts: list[str]):
+    """A 1,500-token prompt (no prompt-cache hit) joins ``prompts`` decoding; they are stopped after it; return it."""
+    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
+    worker.prompt_cache_gb = 0
+    try:
+        others = [mlx_notebook.generate(p, model=model, worker=worker, max_tokens=600) for p in prompts]
+        for gen in others:
+            wait_tokens(gen, 5)
+        joiner = mlx_notebook.generate(long_prompt, model=model, worker=worker, max_tokens=4)
+        joiner.result(timeout=120)
+        for gen in others:
+            gen.cancel()
+        for gen in others:
+            assert gen.wait(timeout=60), "a decoding row did not end within 60 s of its cancel"
+    finally:
+        worker.prompt_cache_gb = 2
+    return joiner
+
+
 def test_a_layer_of_the_joins_buffers_is_queued_after_the_others_step_not_inside_their_gap(
     worker, tiny_model, reserves, monkeypatch
 ):
@@ -390,17 +409,7 @@ def test_a_layer_of_the_joins_buffers_is_queued_after_the_others_step_not_inside
     # Their step at every boundary: the tiny model's four layers are reserved at the prompt's first four.
     monkeypatch.setattr(prompt_turn.PromptTurn, "due", lambda self, *args: True)
     _, taken = reserves
-    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
-    worker.prompt_cache_gb = 0
-    try:
-        first = mlx_notebook.generate(PROMPTS[0], model=tiny_model, worker=worker, max_tokens=600)
-        wait_tokens(first, 5)
-        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4)
-        joiner.result(timeout=120)
-        first.cancel()
-        assert first.wait(timeout=60), "the decoding row did not end within 60 s of its cancel"
-    finally:
-        worker.prompt_cache_gb = 2
+    joiner = _long_prompt_joins(worker, tiny_model, PROMPTS[:1])
     assert joiner.stats.batch_size == 2, "the long prompt never joined the decoding row"
     assert taken and taken[0][1] == taken[0][0] > 0, taken  # every layer reserved, then used
     boundaries = " ".join(events).split("boundary")[1:]
@@ -440,20 +449,7 @@ def test_the_others_step_at_a_boundary_runs_on_openblass_count_for_their_rows_an
     monkeypatch.setattr(decode_batch.DecodeBatch, "step", spy_step)
     monkeypatch.setattr(pieces.LayerRunner, "run", spy_run)
     monkeypatch.setattr(prompt_turn.PromptTurn, "due", lambda self, *args: True)  # their step at every boundary
-    long_prompt = [(37 * i) % 250 + 20 for i in range(1500)]
-    worker.prompt_cache_gb = 0
-    try:
-        others = [mlx_notebook.generate(p, model=tiny_model, worker=worker, max_tokens=600) for p in PROMPTS[:2]]
-        for gen in others:
-            wait_tokens(gen, 5)
-        joiner = mlx_notebook.generate(long_prompt, model=tiny_model, worker=worker, max_tokens=4)
-        joiner.result(timeout=120)
-        for gen in others:
-            gen.cancel()
-        for gen in others:
-            assert gen.wait(timeout=60), "a decoding row did not end within 60 s of its cancel"
-    finally:
-        worker.prompt_cache_gb = 2
+    joiner = _long_prompt_joins(worker, tiny_model, PROMPTS[:2])
     assert joiner.stats.batch_size == 3, "the long prompt never joined the two decoding rows"
     held_steps = [i for i, e in enumerate(events) if e == "step"]
     assert held_steps, "the others never stepped at a boundary of the prompt"
