@@ -27,10 +27,9 @@ def test_extend_gives_mlx_lms_rows_with_room_for_the_next_steps(sizes: list[int]
 
     ours, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
     theirs, _ = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
-    other, other_pads = batch_cache.merge([[_single(n, 50 + i)] for i, n in enumerate(joining)])
-    other2, _ = batch_cache.merge([[_single(n, 50 + i)] for i, n in enumerate(joining)])
-    new_pads = batch_cache.extend(ours, pads, other, other_pads)
-    BatchKVCache.extend(theirs[0], other2[0])
+    other, _ = batch_cache.merge([[_single(n, 50 + i)] for i, n in enumerate(joining)])
+    new_pads = batch_cache.extend(ours, pads, [[_single(n, 50 + i)] for i, n in enumerate(joining)])
+    BatchKVCache.extend(theirs[0], other[0])
     mine, ref = ours[0], theirs[0]
     assert mine._idx == ref._idx == max(sizes + joining)
     assert mine.left_padding.tolist() == ref.left_padding.tolist() == new_pads

@@ -50,13 +50,11 @@ def merge(caches: list[Cache]) -> tuple[Cache, list[int]]:
     return merged, [top - n for n in lengths]
 
 
-def extend(
-    batch: Cache, pads: list[int], other: Cache, other_pads: list[int], reserve: Reserve | None = None
-) -> list[int]:
-    """Append ``other``'s rows to ``batch`` in place; return the new paddings.
+def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve | None = None) -> list[int]:
+    """Append the single-sequence caches ``joining`` to ``batch`` as rows, in place; return the new paddings.
 
-    Both sides are right-aligned at the longer one's end, the difference added
-    to the shorter side's padding, as ``BatchKVCache.extend`` does. Unlike it,
+    Both sides are right-aligned at the longest row's end, the difference added
+    to the shorter rows' padding, as ``BatchKVCache.extend`` does. Unlike it,
     each layer's keys and values are built in one allocation, with room for
     the next steps (:func:`capacity_for`): mlx-lm's ``extend`` pads both sides (two
     copies) and then concatenates them (a third), and leaves no room, so the
@@ -65,28 +63,40 @@ def extend(
     7.7 GB of new KV) those were 20-28 ms of extend and ~15 ms on the first
     step, both inside the other rows' gap between two tokens.
 
+    The joining rows are copied from their own caches straight into those
+    buffers, not merged into a batch of their own first (``BatchKVCache.merge``,
+    ~6 ops a layer: no copy on the device, which shares a whole-array update,
+    but host time inside the others' gap before the admit, 1.3 ms median on
+    an H100 host, ``benchmarks/results/h100_pre_admit_anatomy_session56.txt``).
+    Queuing the join of a 2k-token prompt to 7 rows of 512 (36 layers of
+    8 KV heads, this 2-core CPU) took 1.4-2.6 ms of host time against 2.9-3.7 ms merged first
+    (``benchmarks/results/join_extend_host_probe_session57.py.txt``).
+
     ``reserve``: buffers allocated ahead for exactly this join, used when they
     fit (:class:`Reserve`); else the allocation happens here.
     """
-    size, other_size = batch[0]._idx, other[0]._idx
-    top = max(size, other_size)
-    rows = len(pads) + len(other_pads)
+    size = batch[0]._idx
+    lengths = [length(c) for c in joining]
+    top = max([size, *lengths])
+    rows = len(pads) + len(joining)
     capacity = capacity_for(top, rows)
     buffers = reserve.take(rows, capacity) if reserve is not None else None
-    for layer, extra in zip(batch, other):
-        if layer.keys is None or extra.keys is None:
-            layer.extend(extra)  # an empty side: nothing to copy (mlx-lm's own)
+    joining_pads = [top - n for n in lengths]
+    for i, layer in enumerate(batch):
+        extras = [c[i] for c in joining]
+        if layer.keys is None or any(e.keys is None for e in extras):
+            from mlx_lm.models.cache import BatchKVCache
+
+            layer.extend(BatchKVCache.merge(extras))  # an empty side: nothing to copy (mlx-lm's own)
             continue
         keys_out = buffers.pop(0) if buffers else None
         values_out = buffers.pop(0) if buffers else None
-        layer.keys = _joined(layer.keys, extra.keys, size, other_size, top, capacity, keys_out)
-        layer.values = _joined(layer.values, extra.values, size, other_size, top, capacity, values_out)
-        layer.offset = mx.concatenate([layer.offset, extra.offset])
-        layer.left_padding = mx.concatenate(
-            [layer.left_padding + (top - size), extra.left_padding + (top - other_size)]
-        )
+        layer.keys = _joined(layer.keys, [e.keys for e in extras], size, lengths, top, capacity, keys_out)
+        layer.values = _joined(layer.values, [e.values for e in extras], size, lengths, top, capacity, values_out)
+        layer.offset = mx.concatenate([layer.offset, mx.array(lengths)])
+        layer.left_padding = mx.concatenate([layer.left_padding + (top - size), mx.array(joining_pads)])
         layer._idx = top
-    return [p + top - size for p in pads] + [p + top - other_size for p in other_pads]
+    return [p + top - size for p in pads] + joining_pads
 
 
 class Reserve:
@@ -163,18 +173,26 @@ def capacity_for(top: int, rows: int) -> int:
 
 
 def _joined(
-    a: mx.array, b: mx.array, a_size: int, b_size: int, top: int, capacity: int, out: mx.array | None = None
+    a: mx.array,
+    joining: list[mx.array],
+    a_size: int,
+    sizes: list[int],
+    top: int,
+    capacity: int,
+    out: mx.array | None = None,
 ) -> mx.array:
-    """Rows of ``a`` then of ``b``, each's first ``*_size`` positions ending at ``top``, in a ``capacity`` buffer.
+    """Rows of ``a`` then one row from each of ``joining``, each's first ``*size*`` positions ending at ``top``.
 
-    ``out``: that buffer, zeroed, when it was allocated ahead; it must have no
-    other reference, so that the slice updates write into it, not a copy.
+    In a ``capacity`` buffer: ``out``, zeroed, when it was allocated ahead; it
+    must have no other reference, so that the slice updates write into it,
+    not a copy.
     """
     rows = a.shape[0]
     if out is None:
-        out = mx.zeros((rows + b.shape[0], a.shape[1], capacity, a.shape[3]), a.dtype)
+        out = mx.zeros((rows + len(joining), a.shape[1], capacity, a.shape[3]), a.dtype)
     out[:rows, :, top - a_size : top, :] = a[..., :a_size, :]
-    out[rows:, :, top - b_size : top, :] = b[..., :b_size, :]
+    for i, (b, n) in enumerate(zip(joining, sizes)):
+        out[rows + i : rows + i + 1, :, top - n : top, :] = b[..., :n, :]
     return out
 
 

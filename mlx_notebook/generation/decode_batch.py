@@ -897,8 +897,7 @@ class DecodeBatch:
         else:
             if len(self.rows) == 1:
                 self._cache, self._pads = batch_cache.merge([self._cache])
-            other, other_pads = batch_cache.merge(caches)  # type: ignore[arg-type]
-            self._pads = batch_cache.extend(self._cache, self._pads, other, other_pads, reserve)
+            self._pads = batch_cache.extend(self._cache, self._pads, caches, reserve)  # type: ignore[arg-type]
             # The rows' copy into the joined buffers runs while the host builds the first joined step, not
             # after it (H200, Qwen3-8B shape, 7 rows joined by an 8k prompt: the copy 6-24 ms, the build
             # 9-13 ms, both in the others' gap; benchmarks/results/h200_admit_session32.log).
