@@ -82,6 +82,10 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
     capacity = capacity_for(top, rows)
     buffers = reserve.take(rows, capacity) if reserve is not None else None
     joining_pads = [top - n for n in lengths]
+    new_pads = [p + top - size for p in pads] + joining_pads
+    # A batch cache's offsets are its rows' positions, ``_idx`` less each's padding, which the host knows:
+    # written as constants, not concatenated and shifted on the device (3 kernels a layer to queue).
+    offsets = [top - p for p in new_pads]
     for i, layer in enumerate(batch):
         extras = [c[i] for c in joining]
         if layer.keys is None or any(e.keys is None for e in extras):
@@ -93,10 +97,10 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
         values_out = buffers.pop(0) if buffers else None
         layer.keys = _joined(layer.keys, [e.keys for e in extras], size, lengths, top, capacity, keys_out)
         layer.values = _joined(layer.values, [e.values for e in extras], size, lengths, top, capacity, values_out)
-        layer.offset = mx.concatenate([layer.offset, mx.array(lengths)])
-        layer.left_padding = mx.concatenate([layer.left_padding + (top - size), mx.array(joining_pads)])
+        layer.offset = mx.array(offsets)
+        layer.left_padding = mx.array(new_pads)
         layer._idx = top
-    return [p + top - size for p in pads] + joining_pads
+    return new_pads
 
 
 class Reserve:
@@ -205,16 +209,17 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
     (mlx-lm's order) copied every layer's whole capacity, 7.6 GB in 36 ms; cut first,
     a copy per run of neighbours took 1.1-1.8 ms (:func:`take_rows`).
     """
-    new_pads = [pads[i] for i in keep]
-    shift = min(new_pads)
+    shift = min(pads[i] for i in keep)
+    new_pads = [pads[i] - shift for i in keep]
     for layer in batch:
         if layer.keys is not None:
             layer.keys = mx.contiguous(take_rows(layer.keys[..., shift:, :], keep))
             layer.values = mx.contiguous(take_rows(layer.values[..., shift:, :], keep))
-        layer.offset = take_rows(layer.offset, keep)
-        layer.left_padding = take_rows(layer.left_padding, keep) - shift
         layer._idx -= shift
-    return [p - shift for p in new_pads]
+        # Offsets from the host, as in :func:`extend`: no cut of the device's arrays to queue.
+        layer.offset = mx.array([layer._idx - p for p in new_pads])
+        layer.left_padding = mx.array(new_pads)
+    return new_pads
 
 
 def take_rows(a: mx.array, keep: list[int]) -> mx.array:
