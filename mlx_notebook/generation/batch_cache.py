@@ -67,10 +67,11 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
     buffers, not merged into a batch of their own first (``BatchKVCache.merge``,
     ~6 ops a layer: no copy on the device, which shares a whole-array update,
     but host time inside the others' gap before the admit, 1.3 ms median on
-    an H100 host, ``benchmarks/results/h100_pre_admit_anatomy_session56.txt``).
-    Queuing the join of a 2k-token prompt to 7 rows of 512 (36 layers of
-    8 KV heads, this 2-core CPU) took 1.4-2.6 ms of host time against 2.9-3.7 ms merged first
-    (``benchmarks/results/join_extend_host_probe_session57.py.txt``).
+    an H100 host, ``benchmarks/results/h100_pre_admit_anatomy_session56.txt``),
+    and the offsets and paddings are the host's: an 8-row join of 36 layers
+    queues 144 ops into the buffers reserved, not 432
+    (``benchmarks/results/join_ops_probe_session57.py.txt``; host time on this
+    CPU in ``join_host_probe_session57.py.txt``).
 
     ``reserve``: buffers allocated ahead for exactly this join, used when they
     fit (:class:`Reserve`); else the allocation happens here.
