@@ -186,7 +186,7 @@ def _joined(
     capacity: int,
     out: mx.array | None = None,
 ) -> mx.array:
-    """Rows of ``a`` then one row from each of ``joining``, each's first ``*size*`` positions ending at ``top``.
+    """Rows of ``a`` then one from each of ``joining``, their first ``a_size`` / ``sizes`` positions ending at ``top``.
 
     In a ``capacity`` buffer: ``out``, zeroed, when it was allocated ahead; it
     must have no other reference, so that the slice updates write into it,
