@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import mlx.core as mx
 import pytest
 
@@ -48,6 +51,41 @@ def test_extend_gives_mlx_lms_rows_with_room_for_the_next_steps(sizes: list[int]
     for a, b in zip(mine.keys_and_values(), ref.keys_and_values()):
         for row, pad in enumerate(new_pads):
             assert mx.array_equal(a[row, :, pad:], b[row, :, pad:])
+
+
+def _ops(arrays: list[mx.array], tmp_path) -> Counter:
+    """The ops of the graph that evaluating ``arrays`` would run, by name (MLX's dot export)."""
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *arrays)
+    return Counter(re.findall(r'label\s*=\s*"([A-Za-z]+)', path.read_text()))
+
+
+def test_a_join_into_reserved_buffers_queues_only_the_rows_copies(tmp_path) -> None:
+    # The admit's ops are encoded inside the others' gap between two tokens. Before session 57 a join of a
+    # prompt to 7 rows queued 12 ops a layer here (the joiner merged into a batch first, every layer's offsets
+    # concatenated and shifted on the device); the rows' keys and values into the buffers are 4.
+    layers = 3
+    batch, pads = batch_cache.merge([[_single(n, i) for _ in range(layers)] for i, n in enumerate([5, 9, 7])])
+    joiner = [_single(40, 50) for _ in range(layers)]
+    mx.eval([(layer.keys, layer.values, layer.offset, layer.left_padding) for layer in batch])
+    mx.eval([(layer.keys, layer.values) for layer in joiner])
+    reserve = batch_cache.Reserve(batch, 4, 40)
+    reserve.advance(layers)
+    mx.eval(reserve.buffers)
+    new_pads = batch_cache.extend(batch, pads, [joiner], reserve)
+    ops = _ops([a for layer in batch for a in (layer.keys, layer.values, layer.offset, layer.left_padding)], tmp_path)
+    # A slice is a view (the joiner's buffer is longer than its rows); nothing else runs.
+    assert ops["SliceUpdate"] == 4 * layers and set(ops) <= {"SliceUpdate", "Slice"}, ops
+    assert new_pads == [35, 31, 33, 0]
+    assert batch[0].offset.tolist() == [5, 9, 7, 40] and batch[0].left_padding.tolist() == new_pads
+
+
+def test_a_rows_leave_queues_no_op_on_the_offsets(tmp_path) -> None:
+    sizes = [30, 7, 12, 900]
+    batch, pads = batch_cache.merge([[_single(n, i)] for i, n in enumerate(sizes)])
+    mx.eval([(layer.offset, layer.left_padding) for layer in batch])
+    batch_cache.keep_rows(batch, pads, [0, 2, 3])
+    assert sum(_ops([batch[0].offset, batch[0].left_padding], tmp_path).values()) == 0
 
 
 def test_keep_rows_gives_mlx_lms_rows_and_copies_only_the_positions_kept() -> None:
