@@ -82,11 +82,7 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
     rows = len(pads) + len(joining)
     capacity = capacity_for(top, rows)
     buffers = reserve.take(rows, capacity) if reserve is not None else None
-    joining_pads = [top - n for n in lengths]
-    new_pads = [p + top - size for p in pads] + joining_pads
-    # A batch cache's offsets are its rows' positions, ``_idx`` less each's padding, which the host knows:
-    # written as constants, not concatenated and shifted on the device (3 kernels a layer to queue).
-    offsets = [top - p for p in new_pads]
+    new_pads = [p + top - size for p in pads] + [top - n for n in lengths]
     for i, layer in enumerate(batch):
         extras = [c[i] for c in joining]
         if layer.keys is None or any(e.keys is None for e in extras):
@@ -98,10 +94,20 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
         values_out = buffers.pop(0) if buffers else None
         layer.keys = _joined(layer.keys, [e.keys for e in extras], size, lengths, top, capacity, keys_out)
         layer.values = _joined(layer.values, [e.values for e in extras], size, lengths, top, capacity, values_out)
-        layer.offset = mx.array(offsets)
-        layer.left_padding = mx.array(new_pads)
         layer._idx = top
+        _set_paddings(layer, new_pads)
     return new_pads
+
+
+def _set_paddings(layer: Any, pads: list[int]) -> None:
+    """A batch layer's paddings and offsets from the host's: no cut, shift or concatenate of its arrays to queue.
+
+    A row's offset is its position, the layer's write index less the row's
+    padding (what :func:`extract` cuts by). Written as constants, a join's
+    offsets are no longer 3 kernels a layer inside the others' gap.
+    """
+    layer.offset = mx.array([layer._idx - p for p in pads])
+    layer.left_padding = mx.array(pads)
 
 
 class Reserve:
@@ -217,9 +223,7 @@ def keep_rows(batch: Cache, pads: list[int], keep: list[int]) -> list[int]:
             layer.keys = mx.contiguous(take_rows(layer.keys[..., shift:, :], keep))
             layer.values = mx.contiguous(take_rows(layer.values[..., shift:, :], keep))
         layer._idx -= shift
-        # Offsets from the host, as in :func:`extend`: no cut of the device's arrays to queue.
-        layer.offset = mx.array([layer._idx - p for p in new_pads])
-        layer.left_padding = mx.array(new_pads)
+        _set_paddings(layer, new_pads)
     return new_pads
 
 
