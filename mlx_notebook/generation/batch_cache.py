@@ -71,7 +71,10 @@ def extend(batch: Cache, pads: list[int], joining: list[Cache], reserve: Reserve
     and the offsets and paddings are the host's: an 8-row join of 36 layers
     queues 144 ops into the buffers reserved, not 432
     (``benchmarks/results/join_ops_probe_session57.py.txt``; host time on this
-    CPU in ``join_host_probe_session57.py.txt``).
+    CPU in ``join_host_probe_session57.py.txt``). The others' gap before the
+    admit stayed as it was (a quiet H100, alternated: median 23.9 ms against
+    23.0, ``h100_join_ab_session58.jsonl``): queuing beside an 8B step waits
+    for MLX's commits in flight, whatever their count of ops.
 
     ``reserve``: buffers allocated ahead for exactly this join, used when they
     fit (:class:`Reserve`); else the allocation happens here.
