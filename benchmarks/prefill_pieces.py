@@ -48,7 +48,8 @@ def main() -> None:
         gen.result()
     finally:
         worker.shutdown()
-    target = args.budget / (pieces.LayerRunner.max_in_flight + 1)
+    queued = pieces.LayerRunner.max_in_flight
+    target = args.budget / ((pieces.queued_groups() if queued is None else queued) + 1)
     longest = [round(w * 1000, 1) for w in sorted(waits, reverse=True)[:5]]
     print(
         f"{args.length} tokens, {gen.stats.prefill_chunks} chunks, {len(waits)} group waits, "

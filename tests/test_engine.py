@@ -376,6 +376,7 @@ def test_layer_groups_shrink_as_the_context_grows(tiny_model):
     model, _ = load_model(Path(tiny_model))
     cache = make_prompt_cache(model)
     runner = LayerRunner(model.model, model, cache, Pace(CancelToken(), 0.1))
+    runner.queued = 1  # one group queued, as on a GPU: the budget halves per group
     # Seconds per layer per token measured at mean context positions 100 and 300.
     runner._samples = [(100.0, 1e-4), (300.0, 2e-4)]
     assert runner._per_layer_token(500.0) == pytest.approx(3e-4)

@@ -6,8 +6,9 @@ norm, head) calls its layers one after the other, so instead of rewriting
 each architecture's forward pass we swap that list, for the duration of one
 chunk and for the calling thread only (:class:`_ThreadLayers`), for thin
 wrappers that evaluate the hidden state every ``group`` layers and call the
-cancel checkpoint there. One group stays in flight while
-the next is queued, so the device never idles between pieces.
+cancel checkpoint there. On a GPU one group stays in flight while
+the next is queued, so the device never idles between pieces; on the CPU
+none does (:func:`queued_groups`).
 
 A pause blocks inside the forward pass (the KV cache stays consistent and
 resume simply continues); a stop raises out of it, and that generation's
@@ -147,6 +148,21 @@ class _CheckpointedLayer:
         return getattr(self._layer, name)
 
 
+def queued_groups() -> int:
+    """Layer groups a prefill keeps queued beyond the one it waits on: one on a GPU, none on the CPU.
+
+    On a GPU a queued group keeps the device busy while the host builds the
+    next. On the CPU the host's build and the compute share the cores, so a
+    queued group overlaps little, and it halves what each group, and so each
+    chunk, may take: chunks of ~30 tokens where ~70 fit, each paying a small
+    matmul's lower efficiency. A 3,000-token prefill of the default model on 2
+    cores beside two busy loops: 55.7-56.6 s with none queued against
+    61.2-64.1 s with one (quiet 31.5-32.0 against 30.2-31.7; stops under that
+    load p95 78-86 ms against 77; session 60).
+    """
+    return 0 if mx.default_device().type == mx.cpu else 1
+
+
 class LayerRunner:
     """Pieces of ``group`` layers of one chunk, with a checkpoint between groups.
 
@@ -160,7 +176,8 @@ class LayerRunner:
     pieces = PrefillPieces.LAYERS
     # Groups queued on the device beyond the one being waited on. More keeps
     # the device busier; each one adds a group to the worst stop latency.
-    max_in_flight = 1
+    # None: by device (queued_groups); benchmarks set a number to compare.
+    max_in_flight: int | None = None
 
     def __init__(self, owner: nn.Module, model: nn.Module, cache: list[Any], pace: Pace) -> None:
         self.owner = owner
@@ -168,9 +185,10 @@ class LayerRunner:
         self.cache = cache
         self.pace = pace
         self.n_layers = len(owner.layers)
+        self.queued = queued_groups() if self.max_in_flight is None else self.max_in_flight
         # Chunks may be as long as the groups a stop can wait for (the one
         # being waited on plus those queued), one layer each, fit the budget.
-        self.chunk_budget_factor = max(1.0, self.n_layers / (self.max_in_flight + 1))
+        self.chunk_budget_factor = max(1.0, self.n_layers / (self.queued + 1))
         self.group = 1
         # (mean context position, seconds per layer per token) of recent chunks.
         self._samples: list[tuple[float, float]] = []
@@ -207,7 +225,7 @@ class LayerRunner:
             return
         # The group being waited on and those queued behind it all stand
         # between a stop and the parked worker: they share the budget.
-        fit = int(self.pace.budget_s / (self.max_in_flight + 1) / max(per * n_tokens, 1e-9))
+        fit = int(self.pace.budget_s / (self.queued + 1) / max(per * n_tokens, 1e-9))
         # Ranks of a cluster must cut the same groups (their forward passes meet in collectives).
         self.group = max(1, self.pace.choose(min(fit, self.n_layers)))
 
@@ -223,8 +241,8 @@ class LayerRunner:
         # the device. Asked again after each wait: the others' turn may come
         # while a group finishes.
         shared, gate = self.pace.shared, self.pace.gate
-        while self._in_flight and (len(self._in_flight) > self.max_in_flight or (shared is not None and shared())):
-            if gate is not None and len(self._in_flight) <= self.max_in_flight:
+        while self._in_flight and (len(self._in_flight) > self.queued or (shared is not None and shared())):
+            if gate is not None and len(self._in_flight) <= self.queued:
                 # Their step goes on the device behind these groups, not behind this thread's wait for them.
                 gate(self._in_flight[-1])
                 break
