@@ -64,8 +64,15 @@ def worker():
 
 @pytest.fixture
 def side_worker(monkeypatch):
-    """A worker that prefills every joining prompt on its prefill thread (the CUDA default, forced on the CPU)."""
+    """A worker that prefills every joining prompt on its prefill thread (the CUDA default, forced on the CPU).
+
+    With one layer group queued behind the one waited on, as on a GPU (the CPU queues none), so the turns' gated
+    hand-overs, which leave that group in place, run here too.
+    """
+    from mlx_notebook.generation import pieces
+
     monkeypatch.setenv("MLX_NOTEBOOK_PREFILL_THREAD", "1")
+    monkeypatch.setattr(pieces.LayerRunner, "max_in_flight", 1)
     w = mlx_notebook.Worker(prompt_cache_gb=0)
     yield w
     assert w.shutdown(timeout=60), "worker thread did not end"
