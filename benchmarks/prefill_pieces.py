@@ -48,8 +48,7 @@ def main() -> None:
         gen.result()
     finally:
         worker.shutdown()
-    queued = pieces.LayerRunner.max_in_flight
-    target = args.budget / ((pieces.queued_groups() if queued is None else queued) + 1)
+    target = args.budget / (pieces.LayerRunner.groups_queued() + 1)
     longest = [round(w * 1000, 1) for w in sorted(waits, reverse=True)[:5]]
     print(
         f"{args.length} tokens, {gen.stats.prefill_chunks} chunks, {len(waits)} group waits, "

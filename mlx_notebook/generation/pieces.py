@@ -185,7 +185,7 @@ class LayerRunner:
         self.cache = cache
         self.pace = pace
         self.n_layers = len(owner.layers)
-        self.queued = queued_groups() if self.max_in_flight is None else self.max_in_flight
+        self.queued = self.groups_queued()
         # Chunks may be as long as the groups a stop can wait for (the one
         # being waited on plus those queued), one layer each, fit the budget.
         self.chunk_budget_factor = max(1.0, self.n_layers / (self.queued + 1))
@@ -197,6 +197,11 @@ class LayerRunner:
         self._wrapped: list[Any] = []
         self._outer: list[Any] | None = None  # what this thread saw before the swap
         self.outside_s = 0.0
+
+    @classmethod
+    def groups_queued(cls) -> int:
+        """Groups kept queued behind the one waited on: :attr:`max_in_flight` where set, else :func:`queued_groups`."""
+        return queued_groups() if cls.max_in_flight is None else cls.max_in_flight
 
     def _context(self) -> int:
         return int(getattr(self.cache[0], "offset", 0) or 0)
